@@ -1,0 +1,104 @@
+"""The one dispatch point for NVFP4 compute ops.
+
+Each op takes ``backend="auto" | "reference" | "triton"``. ``auto`` picks the
+Triton kernels when they can run the input (a CUDA tensor and a working
+Triton) and the ``fp4ptq.nvfp4`` reference otherwise. Asking for a backend
+that cannot run raises ``BackendUnavailable`` with the reason.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import nvfp4
+from ..nvfp4 import NVFP4Tensor
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested kernel backend cannot run this input here."""
+
+
+def triton_unavailable_reason(x: torch.Tensor) -> Optional[str]:
+    """Why the Triton backend cannot run on ``x`` (None when it can)."""
+    if not x.is_cuda:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return f"the input is on {x.device}, the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({exc})"
+    return None
+
+
+def _pick(backend: str, x: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "reference":
+        return "reference"
+    reason = triton_unavailable_reason(x)
+    if backend == "triton":
+        if reason is not None:
+            raise BackendUnavailable(f"backend='triton' cannot run: {reason}")
+        return "triton"
+    return "triton" if reason is None and x.is_cuda else "reference"
+
+
+def quantize(
+    x: torch.Tensor,
+    four_six: Optional[str] = None,
+    *,
+    amax: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> NVFP4Tensor:
+    """Quantize a 2-D ``[M, K]`` tensor (activations or weights) to NVFP4."""
+    if _pick(backend, x) == "triton":
+        from . import quantize as tq
+
+        return tq.quantize(x, four_six, amax=amax)
+    return nvfp4.quantize(x, four_six, amax=amax)
+
+
+def linear_w4a16(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype."""
+    if _pick(backend, x) == "triton":
+        from . import gemm
+
+        return gemm.linear_w4a16(x, weight, bias)
+    return torch.nn.functional.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def linear_w4a4(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    input_amax: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    four_six: Optional[str] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """W4A4: quantize ``x`` per 16-block under the static ``input_amax`` (with
+    Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``."""
+    if _pick(backend, x) == "triton":
+        from . import gemm
+
+        return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)
+    # Products of E2M1 values and E4M3-derived steps are computed in fp32 here.
+    x_hat = nvfp4.quantize(x, four_six, amax=input_amax, name="activation").dequantize(torch.float32)
+    y = torch.nn.functional.linear(x_hat, weight.dequantize(torch.float32))
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+__all__ = ["BACKENDS", "BackendUnavailable", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
