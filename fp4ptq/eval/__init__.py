@@ -1,7 +1,5 @@
 """Evaluation: perplexity (perplexity.py), lm-eval tasks with offline data (tasks.py),
-JSON / markdown / PNG reports (report.py)."""
-from __future__ import annotations
+JSON / markdown / PNG reports (report.py).
 
-from .perplexity import EvalDataError, load_corpus, perplexity
-
-__all__ = ["EvalDataError", "load_corpus", "perplexity"]
+Entry point for perplexity: ``from fp4ptq.eval.perplexity import perplexity``.
+"""
