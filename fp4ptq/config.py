@@ -1,0 +1,174 @@
+"""QuantConfig: what to quantize and how, as one frozen, validated dataclass.
+
+It is saved into every checkpoint (``to_dict``) and read back (``from_dict``),
+so every field is a plain JSON value (tuples become lists on disk).
+
+    QuantConfig(method="gptq", four_six="mse", scheme="w4a4")
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional
+
+from .nvfp4 import FOUR_SIX_RULES
+
+METHODS = ("rtn", "gptq", "awq", "smoothquant", "awq+gptq", "smoothquant+gptq")
+SCHEMES = ("w4a16", "w4a4")
+HUB_CALIB_SOURCES = ("wikitext2", "c4", "pile")
+GPTQ_SCALE_CHOICES = ("loop", "once")
+
+
+class ConfigError(ValueError):
+    """A QuantConfig field has a bad value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize a model to NVFP4.
+
+    method:      "rtn" (round to nearest), "gptq", "awq", "smoothquant", or a
+                 transform followed by GPTQ rounding ("awq+gptq", "smoothquant+gptq").
+    four_six:    None (every block scaled to 6) or the Four Over Six rule
+                 "mse" | "mae" | "max" choosing 4 or 6 per block, for weights
+                 and (W4A4) activations.
+    scheme:      "w4a16" (weights only) or "w4a4" (weights and activations,
+                 activations with a calibrated static global scale).
+    ignore:      module-name patterns kept in high precision: an exact name, a
+                 name suffix after a dot ("lm_head" matches "model.lm_head"),
+                 a glob ("*.mlp.down_proj") or a regex prefixed "re:".
+
+    Calibration (used when the method or scheme needs data):
+    calib:       "wikitext2" | "c4" | "pile" (hub train splits), "self"
+                 (sampled from the model), or a local path (.txt, .jsonl, or a
+                 directory of documents); see ``fp4ptq.calib``.
+    nsamples, seqlen, seed: number and length of calibration sequences, RNG seed.
+
+    GPTQ: gptq_damp (fraction of mean diag(H) added to the diagonal),
+    gptq_block_size (columns per lazy-update block, a multiple of 16),
+    gptq_act_order (process 16-column groups by decreasing Hessian diagonal),
+    gptq_scale_choice ("loop": each block's 4-or-6 scale is chosen when the
+    error feedback reaches its 16 columns, on the updated weights; "once":
+    chosen up front on the original weights, as in the published GPTQ+4/6).
+
+    AWQ: awq_grid (points of the activation-exponent grid in [0, 1)),
+    awq_clip (also search a per-block clipping ratio of the weights).
+    SmoothQuant: smoothquant_alpha (migration strength in [0, 1]; None searches
+    smoothquant_alphas on the calibration loss).
+    search_nsamples: calibration sequences the AWQ/SmoothQuant searches run
+    their block-output objective on (statistics use all ``nsamples``).
+    """
+
+    method: str = "rtn"
+    four_six: Optional[str] = None
+    scheme: str = "w4a16"
+    ignore: tuple = ("lm_head",)
+    calib: str = "c4"
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    gptq_damp: float = 0.01
+    gptq_block_size: int = 128
+    gptq_act_order: bool = False
+    gptq_scale_choice: str = "loop"
+    awq_grid: int = 20
+    awq_clip: bool = False
+    smoothquant_alpha: Optional[float] = None
+    smoothquant_alphas: tuple = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+    search_nsamples: int = 16
+
+    def __post_init__(self) -> None:
+        # Lists (e.g. from JSON) become tuples so the frozen config stays hashable.
+        for name in ("ignore", "smoothquant_alphas"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigError(f"QuantConfig.{name} must be a sequence, got the string {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        _choice("method", self.method, METHODS)
+        _choice("scheme", self.scheme, SCHEMES)
+        if self.four_six is not None:
+            _choice("four_six", self.four_six, FOUR_SIX_RULES, extra=" or None")
+        _choice("gptq_scale_choice", self.gptq_scale_choice, GPTQ_SCALE_CHOICES)
+        if not all(isinstance(p, str) and p for p in self.ignore):
+            raise ConfigError(f"QuantConfig.ignore must hold non-empty strings, got {self.ignore!r}")
+        for p in self.ignore:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as exc:
+                    raise ConfigError(f"QuantConfig.ignore: bad regex {p!r}: {exc}") from exc
+        if not isinstance(self.calib, str) or not self.calib:
+            raise ConfigError(f"QuantConfig.calib must be a source name or a path, got {self.calib!r}")
+        for name in ("nsamples", "seqlen", "awq_grid", "search_nsamples"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"QuantConfig.seed must be an int, got {self.seed!r}")
+        _positive_int("gptq_block_size", self.gptq_block_size)
+        if self.gptq_block_size % 16:
+            raise ConfigError(
+                f"QuantConfig.gptq_block_size={self.gptq_block_size} must be a multiple of 16 "
+                "(NVFP4 blocks are 16 columns and are quantized as units)"
+            )
+        if not (isinstance(self.gptq_damp, (int, float)) and 0 < self.gptq_damp < 1):
+            raise ConfigError(f"QuantConfig.gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
+        for name in ("gptq_act_order", "awq_clip"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"QuantConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        alphas = self.smoothquant_alphas if self.smoothquant_alpha is None else (self.smoothquant_alpha,)
+        if not alphas or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in alphas):
+            raise ConfigError(f"SmoothQuant alpha(s) must be in [0, 1], got {alphas!r}")
+
+    # ------------------------------------------------------------------ #
+    @property
+    def transform(self) -> Optional[str]:
+        """The smoothing transform ("awq" | "smoothquant") or None."""
+        head = self.method.split("+")[0]
+        return head if head in ("awq", "smoothquant") else None
+
+    @property
+    def rounding(self) -> str:
+        """How weights are rounded: "gptq" or "rtn" (AWQ/SmoothQuant alone round to nearest)."""
+        return "gptq" if self.method.endswith("gptq") else "rtn"
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether quantizing needs calibration data (any method but RTN, or W4A4)."""
+        return self.method != "rtn" or self.scheme == "w4a4"
+
+    def is_ignored(self, name: str) -> bool:
+        """Whether the module called ``name`` matches one of ``ignore``."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], name):
+                    return True
+            elif name == pattern or name.endswith("." + pattern) or fnmatch.fnmatchcase(name, pattern):
+                return True
+        return False
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (tuples as lists)."""
+        out = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "QuantConfig":
+        """Inverse of ``to_dict``; unknown keys are an error (they would be silently lost)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"QuantConfig.from_dict: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**dict(data))
+
+
+def _choice(name: str, value: Any, allowed: tuple, extra: str = "") -> None:
+    if value not in allowed:
+        raise ConfigError(f"QuantConfig.{name}={value!r} is not valid; choose one of {allowed}{extra}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"QuantConfig.{name} must be a positive int, got {value!r}")
+
+
+__all__ = ["ConfigError", "GPTQ_SCALE_CHOICES", "HUB_CALIB_SOURCES", "METHODS", "QuantConfig", "SCHEMES"]
