@@ -1,0 +1,800 @@
+"""Packed NVFP4 checkpoints: ``save`` and ``load`` (see the shared docs, NVFP4.md, "Checkpoint layout").
+
+On disk (``format="compressed-tensors"``, what vLLM, SGLang and transformers read
+through the ``compressed-tensors`` package, format ``nvfp4-pack-quantized``), per
+quantized linear ``P`` (exactly the buffers of ``NVFP4Linear``):
+
+    P.weight_packed        uint8          [out, in/2]   codes, even element in the low nibble
+    P.weight_scale         float8_e4m3fn  [out, in/16]  block scales
+    P.weight_global_scale  float32        [1]           global_enc, a divisor
+    P.input_global_scale   float32        [1]           W4A4 only: 6*448/input_amax, a divisor
+    P.bias                 model dtype    [out]         when the layer has one
+
+plus every other tensor of the model in its own dtype, sharded safetensors
+(``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index),
+``config.json`` with ``quantization_config`` (keys checked against the
+compressed-tensors package by the tests), the generation config, tokenizer
+files and ``fp4ptq_report.json`` (how the model was made, per-layer errors,
+tensor bytes).
+
+Four Over Six for run-time activation quantization (W4A4) is ours alone: it is
+stored under the top-level ``config.json`` key ``"fp4ptq"``, which other
+loaders ignore and transformers keeps (it survives a ``save_pretrained``).
+Engines that do not know it quantize activations with the standard scale,
+which is still a correct NVFP4 model.
+
+``format="modelopt"`` writes NVIDIA Model Optimizer's layout for TensorRT-LLM
+(``P.weight``, ``P.weight_scale``, ``P.weight_scale_2``, ``P.input_scale``,
+``hf_quant_config.json``). ModelOpt stores multipliers where compressed-tensors
+stores divisors; ``divisor_to_multiplier`` is the one place that converts.
+
+Writes are atomic: everything goes to a hidden directory beside the target,
+is fsynced, then renamed. A killed save leaves only that hidden
+``.NAME.partial-XXXXXXXX`` directory (config.json is written last, so even it
+never looks complete), never a half-written ``NAME``.
+
+``load`` builds the model skeleton without allocating weights (parameters on
+the meta device), swaps in ``NVFP4Linear`` modules, checks every tensor's
+name, dtype and shape against the safetensors headers (and each file's size
+against its header, so truncated files are reported, not crashed into), then
+assigns the packed tensors as they are: no dequantized copy of any weight.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import uuid
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import nvfp4
+from .modules import NVFP4Linear
+
+FORMATS = ("compressed-tensors", "modelopt")
+CT_FORMAT = "nvfp4-pack-quantized"
+CT_QUANT_METHOD = "compressed-tensors"
+CONFIG_FILE = "config.json"
+REPORT_FILE = "fp4ptq_report.json"
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FP4PTQ_KEY = "fp4ptq"   # top-level config.json key for what only fp4ptq reads
+# Tokenizer files copied from a local source model directory when no tokenizer object is given.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+
+# The NVFP4 arguments of a compressed-tensors config group, exactly as the
+# compressed-tensors package dumps its NVFP4A16 / NVFP4 presets
+# (QuantizationArgs.model_dump; tests/test_checkpoint.py compares them).
+_NVFP4_ARGS = {
+    "num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.BLOCK_SIZE,
+    "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn",
+}
+CT_WEIGHT_ARGS = {**_NVFP4_ARGS, "dynamic": False}
+# Activations: static global scale (input_global_scale), block scales computed at run time.
+CT_INPUT_ARGS = {**_NVFP4_ARGS, "dynamic": "local", "observer": "static_minmax"}
+
+# safetensors dtype names (header "dtype") -> torch dtypes.
+_ST_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read; the message names the file/tensor and what to do."""
+
+
+# --------------------------------------------------------------------------- #
+# The one place the scale convention is converted
+# --------------------------------------------------------------------------- #
+def divisor_to_multiplier(scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors stores global scales as divisors (``w = q * bs / global_enc``,
+    ``input_global_scale = 6*448/amax``); ModelOpt stores their reciprocals as
+    multipliers (``weight_scale_2 = 1/global_enc``, ``input_scale = amax/(6*448)``).
+    One fp32 division, so ``q * bs * multiplier`` may differ from ``q * bs / divisor``
+    in the last bit."""
+    return (1.0 / scale.float()).reshape(())
+
+
+# --------------------------------------------------------------------------- #
+# What the model holds
+# --------------------------------------------------------------------------- #
+def nvfp4_layers(model: nn.Module) -> dict:
+    """``{full module name: NVFP4Linear}`` in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+
+
+def _high_precision_linears(model: nn.Module) -> list:
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def _act_four_six(layers: dict):
+    """The W4A4 Four Over Six rule(s): one value when uniform, else ``{name: rule}``."""
+    rules = {name: m.act_four_six for name, m in layers.items() if m.scheme == "w4a4"}
+    values = set(rules.values())
+    if len(values) <= 1:
+        return values.pop() if values else None
+    return rules
+
+
+def _schemes(layers: dict) -> dict:
+    by_scheme: dict = {}
+    for name, m in layers.items():
+        by_scheme.setdefault(m.scheme, []).append(name)
+    return by_scheme
+
+
+def compressed_tensors_config(model: nn.Module) -> dict:
+    """``quantization_config`` for config.json (compressed-tensors ``nvfp4-pack-quantized``).
+
+    One group targeting every ``Linear`` when all quantized layers share a
+    scheme (``ignore`` then lists every linear kept in high precision, by full
+    name), else one group per scheme targeting its layers by name.
+    """
+    layers = nvfp4_layers(model)
+    if not layers:
+        raise CheckpointError("the model has no NVFP4Linear layers: quantize it (fp4ptq.quantize) before saving")
+    by_scheme = _schemes(layers)
+    groups = {}
+    for index, scheme in enumerate(sorted(by_scheme)):
+        targets = ["Linear"] if len(by_scheme) == 1 else by_scheme[scheme]
+        groups[f"group_{index}"] = {
+            "targets": targets,
+            "weights": dict(CT_WEIGHT_ARGS),
+            "input_activations": dict(CT_INPUT_ARGS) if scheme == "w4a4" else None,
+            "output_activations": None,
+            "format": CT_FORMAT,
+        }
+    return {
+        "quant_method": CT_QUANT_METHOD,
+        "format": CT_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": _high_precision_linears(model),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "moe_sparsity_config": None,
+    }
+
+
+def modelopt_config(model: nn.Module) -> dict:
+    """The ``quantization`` section of ModelOpt's ``hf_quant_config.json``."""
+    from . import __version__
+
+    by_scheme = _schemes(nvfp4_layers(model))
+    if len(by_scheme) != 1:
+        raise CheckpointError(
+            f"format='modelopt': the model mixes schemes {sorted(by_scheme)}; a ModelOpt checkpoint has one "
+            "quant_algo. Quantize every layer with one scheme, or save with format='compressed-tensors'"
+        )
+    scheme = next(iter(by_scheme))
+    return {
+        "producer": {"name": "fp4ptq", "version": __version__},
+        "quantization": {
+            "quant_algo": "NVFP4" if scheme == "w4a4" else "W4A16_NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": nvfp4.BLOCK_SIZE,
+            "exclude_modules": _high_precision_linears(model),
+        },
+    }
+
+
+def unshared_fused_scales(model: nn.Module) -> Optional[list]:
+    """Fused groups (q/k/v, gate/up per ``fp4ptq.models``) whose layers do not share
+    one weight global scale (or are not all quantized). None when the
+    architecture has no table (nothing could be checked)."""
+    from .models import UnsupportedArchitecture, arch_spec, decoder_blocks
+
+    try:
+        spec = arch_spec(model)
+    except UnsupportedArchitecture:
+        return None
+    problems = []
+    for index, block in enumerate(decoder_blocks(model, spec)):
+        for group in spec.groups:
+            if not group.fused:
+                continue
+            modules = [block.get_submodule(name) for name in group.linears]
+            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
+            if not quantized:
+                continue
+            first = quantized[0].weight_global_scale
+            if len(quantized) != len(modules) or any(
+                not torch.equal(m.weight_global_scale, first) for m in quantized
+            ):
+                problems.append(f"{spec.layers}.{index}.{{{', '.join(group.linears)}}}")
+    return problems
+
+
+# --------------------------------------------------------------------------- #
+# Tensors to write
+# --------------------------------------------------------------------------- #
+def _tied_targets(model: nn.Module) -> dict:
+    """``{tied parameter name: the name it is tied to}`` (transformers' table)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    return dict(tied) if isinstance(tied, dict) else {}
+
+
+def _state_dict(model: nn.Module) -> dict:
+    """The model's tensors without tied duplicates (safetensors stores one copy)."""
+    state = model.state_dict()
+    for target, source in _tied_targets(model).items():
+        if target in state and source in state and state[target].data_ptr() == state[source].data_ptr():
+            del state[target]
+    for name, tensor in state.items():
+        if tensor.is_meta:
+            raise CheckpointError(f"tensor {name} is on the meta device (offloaded?); load the whole model first")
+        if tensor.dtype == torch.float8_e4m3fn:
+            # E4M3FN has no Inf; NaN is exponent+mantissa all ones. Block scales are never negative.
+            bits = tensor.view(torch.uint8)
+            if bool(((bits & 0x7F) == 0x7F).any() | ((bits & 0x80) != 0).any()):
+                raise CheckpointError(f"{name}: NaN or negative FP8 block scales; re-quantize this layer")
+        elif tensor.is_floating_point():
+            nvfp4.check_finite(tensor, name)
+    return state
+
+
+def _modelopt_state_dict(state: dict, layers: dict) -> dict:
+    """Rename compressed-tensors tensors to ModelOpt's names (scales as multipliers)."""
+    out = dict(state)
+    for name, layer in layers.items():
+        out[f"{name}.weight"] = out.pop(f"{name}.weight_packed")
+        out[f"{name}.weight_scale_2"] = divisor_to_multiplier(out.pop(f"{name}.weight_global_scale"))
+        if layer.scheme == "w4a4":
+            out[f"{name}.input_scale"] = divisor_to_multiplier(out.pop(f"{name}.input_global_scale"))
+    return out
+
+
+def _tensor_bytes(state: dict, layers: dict) -> dict:
+    quant_names = {f"{name}.{b}" for name in layers for b in _QUANT_BUFFERS}
+    packed = sum(t.numel() * t.element_size() for n, t in state.items() if n.endswith(".weight_packed") and n in quant_names)
+    scales = sum(t.numel() * t.element_size() for n, t in state.items() if n in quant_names and not n.endswith(".weight_packed"))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    quant_params = sum(m.in_features * m.out_features for m in layers.values())
+    return {
+        "packed_weights": packed,
+        "scales": scales,
+        "high_precision": total - packed - scales,
+        "total": total,
+        "quantized_weight_elements": quant_params,
+        "bits_per_quantized_weight": 8.0 * (packed + scales) / max(quant_params, 1),
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Atomic directory
+# --------------------------------------------------------------------------- #
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory; choose another output path")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"{target} already exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
+        )
+
+
+@contextmanager
+def atomic_directory(target: str | Path, overwrite: bool = False):
+    """Yield a fresh hidden directory beside ``target``; on success fsync its
+    files and rename it to ``target`` (replacing it only with ``overwrite``);
+    on error remove it. A killed process leaves ``.NAME.partial-XXXXXXXX``."""
+    target = Path(target).expanduser().absolute()
+    _check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    os.mkdir(partial)
+    try:
+        yield partial
+        for file in partial.rglob("*"):
+            if file.is_file():
+                _fsync_path(file)
+        _fsync_path(partial)
+        _check_target(target, overwrite)
+        previous = None
+        if target.is_dir():
+            previous = target.parent / f".{target.name}.replaced-{uuid.uuid4().hex[:8]}"
+            os.rename(target, previous)
+        os.rename(partial, target)
+        _fsync_path(target.parent)
+        if previous is not None:
+            shutil.rmtree(previous)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------- #
+# Save
+# --------------------------------------------------------------------------- #
+def _write_shards(state: dict, directory: Path, max_shard_size, metadata: dict) -> dict:
+    """Safetensors shards (+ index when there is more than one); returns ``{file: bytes}``."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    files = {}
+    for filename, names in tqdm(split.filename_to_tensors.items(), desc="Writing shards",
+                                disable=len(split.filename_to_tensors) < 2):
+        shard = {name: state[name].detach().to("cpu").contiguous() for name in names}
+        save_file(shard, str(directory / filename), metadata={"format": "pt", **metadata})
+        files[filename] = (directory / filename).stat().st_size
+    if split.is_sharded:
+        _write_json(directory / INDEX_FILE, {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename})
+    return files
+
+
+def _save_tokenizer(model: nn.Module, tokenizer, directory: Path) -> Optional[str]:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+        return "tokenizer object"
+    source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
+    copied = [f for f in TOKENIZER_FILES if source.is_dir() and (source / f).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, directory / name)
+    if copied:
+        return str(source)
+    warnings.warn("save: no tokenizer given and none found beside the source model; the checkpoint has no "
+                  "tokenizer files (pass tokenizer=...)", stacklevel=3)
+    return None
+
+
+def _config_dict(model: nn.Module, quantization_config: dict, layers: dict, dtype: torch.dtype) -> dict:
+    from . import __version__
+
+    config = json.loads(model.config.to_json_string(use_diff=True))
+    config["quantization_config"] = quantization_config
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    # A quantized tied target (e.g. lm_head tied to the embeddings) is no longer tied.
+    if any(target.removesuffix(".weight") in layers for target in _tied_targets(model)):
+        config["tie_word_embeddings"] = False
+    config[FP4PTQ_KEY] = {"version": __version__, "act_four_six": _act_four_six(layers), "report": REPORT_FILE}
+    return config
+
+
+def _model_dtype(model: nn.Module, layers: dict) -> torch.dtype:
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if floats:
+        return max(set(floats), key=floats.count)
+    return next(iter(layers.values())).dtype
+
+
+def _base_report(model: nn.Module, layers: dict) -> dict:
+    """``model.fp4ptq_info`` or, for a model quantized by hand, what can be read off it."""
+    from . import __version__
+
+    info = getattr(model, "fp4ptq_info", None)
+    if info:
+        return json.loads(json.dumps(info))
+    return {
+        "fp4ptq_version": __version__,
+        "config": None,
+        "calibration": None,
+        "layers": {
+            name: {"shape": [m.out_features, m.in_features], "scheme": m.scheme, "rel_error": None, "four_share": None}
+            for name, m in layers.items()
+        },
+        "high_precision": {name: "not quantized" for name in _high_precision_linears(model)},
+        "note": "model.fp4ptq_info was absent (quantized outside fp4ptq.quantize); per-layer errors unknown",
+    }
+
+
+def save(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    tokenizer=None,
+    overwrite: bool = False,
+    format: str = "compressed-tensors",
+    max_shard_size: int | str = "5GB",
+    check_fused_scales: bool = True,
+) -> Path:
+    """Write ``model`` (with ``NVFP4Linear`` layers) as a packed checkpoint at ``path``.
+
+    format: "compressed-tensors" (vLLM, SGLang, transformers, ``fp4ptq.load``)
+            or "modelopt" (TensorRT-LLM; vLLM's ``modelopt_fp4``).
+    max_shard_size: bytes or a string like "5GB"; a tensor larger than it gets its own shard.
+    check_fused_scales: q/k/v and gate/up must share one weight global scale
+            (engines fuse them into one GEMM with one scale); a model that breaks
+            this is an error unless this is False.
+    Returns the checkpoint directory.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
+    layers = nvfp4_layers(model)
+    if not layers:
+        raise CheckpointError("the model has no NVFP4Linear layers: quantize it (fp4ptq.quantize) before saving")
+    if getattr(model, "config", None) is None:
+        raise CheckpointError(f"{type(model).__name__} has no Hugging Face config; save needs a transformers model")
+    unshared = unshared_fused_scales(model)
+    if unshared and check_fused_scales:
+        raise CheckpointError(
+            f"fused layers do not share one weight global scale in {len(unshared)} place(s), e.g. "
+            f"{unshared[:3]}; engines that fuse q/k/v and gate/up (vLLM, SGLang, TensorRT-LLM) use one "
+            "scale for the fused matrix and would decode these wrongly. Quantize with a shared amax "
+            "(fp4ptq.quantize does), or pass check_fused_scales=False for a checkpoint only fp4ptq/transformers load"
+        )
+    dtype = _model_dtype(model, layers)
+    state = _state_dict(model)
+    report = _base_report(model, layers)
+    if format == "modelopt":
+        quantization_config = {"quant_method": "modelopt", **modelopt_config(model)["quantization"]}
+        tensors = _modelopt_state_dict(state, layers)
+    else:
+        quantization_config = compressed_tensors_config(model)
+        tensors = state
+    config = _config_dict(model, quantization_config, layers, dtype)
+
+    with atomic_directory(path, overwrite) as directory:
+        files = _write_shards(tensors, directory, max_shard_size, {"producer": "fp4ptq", "layout": format})
+        tokenizer_source = _save_tokenizer(model, tokenizer, directory)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None and hasattr(model, "can_generate") and model.can_generate():
+            generation_config.save_pretrained(str(directory))
+        if format == "modelopt":
+            _write_json(directory / MODELOPT_CONFIG_FILE, modelopt_config(model))
+        report["checkpoint"] = {
+            "format": format,
+            "layout": CT_FORMAT if format == "compressed-tensors" else "modelopt NVFP4",
+            "dtype": config["dtype"],
+            "files": files,
+            "file_bytes": sum(files.values()),
+            "tensor_bytes": _tensor_bytes(state, layers),
+            "fused_global_scales": "unchecked (no architecture table)" if unshared is None
+            else ("shared" if not unshared else f"NOT shared: {unshared}"),
+            "tokenizer": tokenizer_source,
+            "act_four_six": config[FP4PTQ_KEY]["act_four_six"],
+        }
+        _write_json(directory / REPORT_FILE, report)
+        _write_json(directory / CONFIG_FILE, config)   # last: a partial directory never has it
+    return Path(path).expanduser().absolute()
+
+
+# --------------------------------------------------------------------------- #
+# Reading: headers, validation, the layer plan
+# --------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str            # safetensors dtype name, e.g. "F8_E4M3"
+    shape: tuple
+    file: str
+
+
+def read_safetensors_header(file: str | Path) -> dict:
+    """``{tensor name: TensorInfo}`` of one safetensors file, reading only its header.
+    Raises ``CheckpointError`` for a truncated or corrupt file (size checked
+    against the data offsets the header declares)."""
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: {size} bytes, too short to be a safetensors file (truncated?)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CheckpointError(
+                f"{file}: truncated: its header declares {header_len} header bytes but the file has {size}; "
+                "re-copy or re-download it"
+            )
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({exc})") from exc
+    tensors, data_end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is not None and (end - begin) != math.prod(entry["shape"]) * dtype.itemsize:
+            raise CheckpointError(f"{file}: tensor {name} declares shape {entry['shape']} {entry['dtype']} "
+                                  f"but {end - begin} bytes; the file is corrupt")
+        data_end = max(data_end, end)
+        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), str(file))
+    expected = 8 + header_len + data_end
+    if size < expected:
+        raise CheckpointError(
+            f"{file}: truncated: the header says the file holds {expected} bytes, it has {size} "
+            f"({expected - size} missing); re-copy or re-download it"
+        )
+    return tensors
+
+
+def checkpoint_files(path: Path) -> list:
+    """The safetensors files of a checkpoint directory (from the index when sharded)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard(s) {missing} that are not in {path}; the copy is incomplete")
+        return [path / n for n in names]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise CheckpointError(f"{path} has no {SINGLE_FILE} nor {INDEX_FILE}: not a safetensors checkpoint")
+
+
+def read_headers(files: Iterable[str | Path]) -> dict:
+    tensors = {}
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is in both {tensors[name].file} and {info.file}")
+            tensors[name] = info
+    return tensors
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    scheme: str                      # "w4a16" | "w4a4"
+    act_four_six: Optional[str]
+
+
+def _args_problem(args, expected: dict, what: str) -> Optional[str]:
+    if not isinstance(args, dict):
+        return f"{what} is {args!r}"
+    for key in ("num_bits", "type", "group_size", "strategy", "symmetric"):
+        if args.get(key, expected[key]) != expected[key]:
+            return f"{what}.{key} = {args.get(key)!r} (fp4ptq reads {expected[key]!r})"
+    if what.endswith("input_activations") and args.get("dynamic") != "local":
+        return f"{what}.dynamic = {args.get('dynamic')!r} (fp4ptq reads 'local': static global, run-time block scales)"
+    return None
+
+
+def parse_quantization_config(qcfg, where: str) -> tuple:
+    """Check a compressed-tensors ``quantization_config`` describes NVFP4 that
+    fp4ptq runs; return ``([(targets, scheme), ...], ignore)``."""
+    if not isinstance(qcfg, dict):
+        raise CheckpointError(f"{where}: no quantization_config; this is not a quantized checkpoint "
+                              "(load it with transformers, or quantize it with fp4ptq first)")
+    method = qcfg.get("quant_method")
+    if method == "modelopt":
+        raise CheckpointError(f"{where}: a ModelOpt export (for TensorRT-LLM / vLLM modelopt_fp4); fp4ptq loads "
+                              "compressed-tensors checkpoints: save with format='compressed-tensors'")
+    if method != CT_QUANT_METHOD:
+        raise CheckpointError(f"{where}: quant_method {method!r} is not supported; fp4ptq loads {CT_QUANT_METHOD!r}")
+    problems = []
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qcfg.get(key):
+            problems.append(f"{key} is set (fp4ptq runs neither KV-cache quantization, sparsity nor transforms)")
+    if (qcfg.get("quantization_status") or "compressed") != "compressed":
+        problems.append(f"quantization_status = {qcfg.get('quantization_status')!r} (needs 'compressed')")
+    groups = []
+    for name, group in (qcfg.get("config_groups") or {}).items():
+        fmt = group.get("format") or qcfg.get("format")
+        if fmt != CT_FORMAT:
+            problems.append(f"group {name}: format {fmt!r} (fp4ptq reads {CT_FORMAT!r})")
+        problem = _args_problem(group.get("weights"), CT_WEIGHT_ARGS, f"group {name}.weights")
+        inputs = group.get("input_activations")
+        if problem is None and inputs is not None:
+            problem = _args_problem(inputs, CT_INPUT_ARGS, f"group {name}.input_activations")
+        if group.get("output_activations"):
+            problem = f"group {name}.output_activations is set (not supported)"
+        if problem:
+            problems.append(problem)
+        groups.append((list(group.get("targets") or []), "w4a4" if inputs else "w4a16"))
+    if not groups:
+        problems.append("config_groups is empty")
+    if problems:
+        raise CheckpointError(f"{where}: quantization_config is not NVFP4 as fp4ptq runs it: " + "; ".join(problems))
+    return groups, list(qcfg.get("ignore") or [])
+
+
+def _matches(name: str, module: nn.Module, target: str) -> bool:
+    """compressed-tensors' target syntax: ``re:<regex>`` (re.match on the module
+    name), an exact module name, or a module class name (any base class)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or any(cls.__name__ == target for cls in type(module).__mro__)
+
+
+def plan_layers(model: nn.Module, qcfg: dict, headers: dict, act_four_six, where: str) -> dict:
+    """``{module name: LayerPlan}`` for the linears the config quantizes, cross-checked
+    with the tensors in the files (``headers``)."""
+    groups, ignore = parse_quantization_config(qcfg, where)
+    plan = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        scheme = next((s for targets, s in groups if any(_matches(name, module, t) for t in targets)), None)
+        if scheme is None or any(_matches(name, module, t) for t in ignore):
+            continue
+        if isinstance(act_four_six, dict):
+            rule = act_four_six.get(name)
+        else:
+            rule = act_four_six
+        plan[name] = LayerPlan(scheme, rule if scheme == "w4a4" else None)
+
+    packed = {n.removesuffix(".weight_packed") for n in headers if n.endswith(".weight_packed")}
+    problems = []
+    if sorted(packed - set(plan)):
+        problems.append(f"the files hold packed weights for {sorted(packed - set(plan))[:5]} which the config "
+                        "does not quantize (or which are not linear layers of this model)")
+    if sorted(set(plan) - packed):
+        problems.append(f"the config quantizes {sorted(set(plan) - packed)[:5]} but the files have no "
+                        "weight_packed for them")
+    for name, layer in plan.items():
+        has_input = f"{name}.input_global_scale" in headers
+        if layer.scheme == "w4a4" and not has_input and name in packed:
+            problems.append(f"{name}: W4A4 in the config but no input_global_scale in the files")
+        if layer.scheme == "w4a16" and has_input:
+            problems.append(f"{name}: W4A16 in the config but the files hold an input_global_scale")
+    if problems:
+        raise CheckpointError(f"{where}: config and tensors do not match: " + "; ".join(problems))
+    return plan
+
+
+def swap_in_nvfp4(model: nn.Module, plan: dict, dtype: torch.dtype) -> None:
+    """Replace the planned ``nn.Linear`` modules by empty ``NVFP4Linear`` on the meta device."""
+    for name, layer in plan.items():
+        linear = model.get_submodule(name)
+        try:
+            new = NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                              scheme=layer.scheme, act_four_six=layer.act_four_six, dtype=dtype, device="meta")
+        except ValueError as exc:
+            raise CheckpointError(f"layer {name}: {exc}") from exc
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def check_tensors(model: nn.Module, headers: dict, where: str) -> None:
+    """Every tensor the model expects is in the files with the right shape, and
+    quantized tensors with their exact dtype; no unknown tensors."""
+    expected = model.state_dict()
+    tied = set(_tied_targets(model))
+    missing = [n for n in expected if n not in headers and n not in tied]
+    unexpected = [n for n in headers if n not in expected]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s), e.g. {missing[:5]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:5]}")
+    for name, info in headers.items():
+        if name not in expected:
+            continue
+        want = expected[name]
+        if tuple(want.shape) != info.shape:
+            problems.append(f"{name} has shape {list(info.shape)} in {Path(info.file).name}, the model needs "
+                            f"{list(want.shape)}")
+        have = _ST_DTYPES.get(info.dtype)
+        quantized = name.rpartition(".")[2] in _QUANT_BUFFERS
+        if quantized and have != want.dtype:
+            problems.append(f"{name} is {info.dtype} in {Path(info.file).name}, must be {want.dtype}")
+        elif not quantized and (have is None or have.is_floating_point != want.dtype.is_floating_point):
+            problems.append(f"{name} is {info.dtype}, the model holds {want.dtype}")
+    if problems:
+        raise CheckpointError(f"{where}: tensors do not fit the model: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- #
+# Load
+# --------------------------------------------------------------------------- #
+def read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: not a checkpoint directory (or an incomplete copy)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); the file is damaged") from exc
+
+
+def _config_dtype(config_dict: dict) -> torch.dtype:
+    name = config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def read_report(path: Path) -> Optional[dict]:
+    file = path / REPORT_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The model without weights (parameters on the meta device, buffers real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError) as exc:
+        import transformers
+
+        raise CheckpointError(
+            f"{path / CONFIG_FILE}: unsupported model type ({exc}). fp4ptq.load builds the model with "
+            f"transformers {transformers.__version__} AutoModelForCausalLM; upgrade transformers or check model_type"
+        ) from exc
+
+
+def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Load a packed NVFP4 checkpoint (ours or any compressed-tensors
+    ``nvfp4-pack-quantized`` one) with ``NVFP4Linear`` layers, in eval mode.
+
+    device: where the tensors go (default: CUDA when available, else CPU);
+            NVFP4Linear runs the Triton kernels on CUDA, the reference elsewhere.
+    dtype:  compute dtype of activations and high-precision weights
+            (default: the checkpoint's ``dtype``).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; give the checkpoint directory fp4ptq.save wrote")
+    where = str(path / CONFIG_FILE)
+    config_dict = read_json(path / CONFIG_FILE)
+    dtype = dtype or _config_dtype(config_dict)
+    device = torch.device(device) if device is not None else _default_device()
+    files = checkpoint_files(path)
+    headers = read_headers(files)
+    act_four_six = (config_dict.get(FP4PTQ_KEY) or {}).get("act_four_six")
+    model = _skeleton(path, dtype)
+    plan = plan_layers(model, config_dict.get("quantization_config"), headers, act_four_six, where)
+    swap_in_nvfp4(model, plan, dtype)
+    check_tensors(model, headers, where)
+
+    expected = model.state_dict()
+    state = {}
+    for file in tqdm(files, desc="Loading shards", disable=len(files) < 2):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    want = expected[name].dtype
+                    state[name] = tensor if tensor.dtype == want else tensor.to(want)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: cannot be read ({exc}); re-copy it") from exc
+    model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    still_meta = [n for n, t in model.state_dict().items() if t.is_meta]
+    if still_meta:
+        raise CheckpointError(f"{where}: tensors {still_meta[:5]} were not loaded (missing from the files)")
+    model.to(device)   # the non-persistent buffers (e.g. rotary tables) built on the CPU
+    model.eval()
+    model.fp4ptq_info = read_report(path)
+    return model
+
+
+__all__ = [
+    "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
+    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "load", "modelopt_config",
+    "read_json",
+    "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",
+    "read_safetensors_header", "save", "swap_in_nvfp4", "unshared_fused_scales",
+]
