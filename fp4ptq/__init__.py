@@ -34,3 +34,13 @@ def __getattr__(name: str):
 
 
 __all__ = ["NVFP4Error", "NVFP4Linear", "NVFP4Tensor", "__version__", "nvfp4", *_LAZY]
+
+# After `import fp4ptq`, `AutoModelForCausalLM.from_pretrained(dir)` builds NVFP4Linear layers from
+# NVFP4 checkpoints (fp4ptq/hf.py says how it coexists with transformers' compressed-tensors
+# quantizer). FP4PTQ_TRANSFORMERS_HOOK=0 leaves transformers untouched.
+import os as _os
+
+if _os.environ.get("FP4PTQ_TRANSFORMERS_HOOK", "1") != "0":
+    from . import hf as _hf
+
+    _hf.register()
