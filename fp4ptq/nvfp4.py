@@ -126,7 +126,10 @@ def global_encode_scale(amax: torch.Tensor | float, four_six: bool = False) -> t
 def block_scale(bmax: torch.Tensor, global_enc: torch.Tensor, target: float = FP4_MAX) -> torch.Tensor:
     """E4M3 block scale (as fp32) mapping a block max ``bmax`` to ``target``
     (6 standard, 4 for the Four Over Six candidate): ``e4m3(bmax / target * global_enc)``."""
-    return e4m3_rne(bmax.float() / target * global_enc)
+    # Divide by a tensor, not a Python number: CUDA torch turns ``t / 6.0`` into
+    # ``t * fl(1/6)`` (the CPU divides), so the scales would depend on the device.
+    divisor = torch.tensor(target, dtype=torch.float32, device=bmax.device)
+    return e4m3_rne(bmax.float() / divisor * global_enc)
 
 
 # --------------------------------------------------------------------------- #
