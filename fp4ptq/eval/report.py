@@ -253,28 +253,16 @@ def load_report(path: str | Path) -> dict:
 
 # ---------------------------------------------------------------------------- checkpoint inspection
 
-def _tensor_bytes(checkpoint: Path) -> dict[str, tuple[list[int], str, int]]:
-    """{tensor name: (shape, dtype, bytes)} from the safetensors headers (no tensor is read).
+def _tensor_bytes(checkpoint: Path) -> dict[str, int]:
+    """{tensor name: bytes on disk}, from the safetensors headers only (no tensor is read)."""
+    from ..checkpoint import checkpoint_files, read_headers
 
-    A safetensors file starts with a little-endian u64 header length and a JSON
-    header whose ``data_offsets`` give each tensor's byte range.
-    """
-    import struct
+    def itemsize(dtype: str) -> int:   # safetensors names: "BOOL", "U8", "F8_E4M3", "BF16", "F32", ...
+        bits = re.match(r"[A-Z]+(\d+)", dtype)
+        return max(1, int(bits.group(1)) // 8) if bits else 1
 
-    files = sorted(checkpoint.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{checkpoint} holds no *.safetensors file; is it an fp4ptq checkpoint?")
-    out = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            out[name] = (info["shape"], info["dtype"], end - start)
-    return out
+    return {name: math.prod(info.shape) * itemsize(info.dtype)
+            for name, info in read_headers(checkpoint_files(checkpoint)).items()}
 
 
 def _natural_key(name: str) -> list:
@@ -303,10 +291,10 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict:
             "scheme": rec.get("scheme"),
             "four_share": rec.get("four_share"),
             "rel_error": rec.get("rel_error"),
-            "bytes": sum(tensors[t][2] for t in mine),
+            "bytes": sum(tensors[t] for t in mine),
             "bf16_bytes": 2 * math.prod(shape) if shape else None,
         })
-    other = sum(b for t, (_, _, b) in tensors.items() if t not in claimed)
+    other = sum(b for t, b in tensors.items() if t not in claimed)
     q_bytes = sum(layer["bytes"] for layer in layers)
     bf16 = sum(layer["bf16_bytes"] or 0 for layer in layers)
     errors = [layer["rel_error"] for layer in layers if layer["rel_error"] is not None]
