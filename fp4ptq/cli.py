@@ -230,7 +230,7 @@ def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict) -> dict:
             _say(f"{task}: perplexity, {args.seqlen}-token windows" +
                  (f" (first {args.max_windows})" if args.max_windows else ""))
             results[task] = perplexity(model, tokenizer, task, seqlen=args.seqlen, max_windows=args.max_windows,
-                                       batch_size=args.batch_size, progress=not args.quiet,
+                                       batch_size=args.ppl_batch_size, progress=not args.quiet,
                                        word_perplexity=not args.no_word_ppl, corpus=corpora[task])
     downstream = [t for t in tasks if t in DOWNSTREAM_TASKS]
     if downstream:
@@ -277,7 +277,7 @@ def cmd_eval(args) -> int:
 
     started = time.perf_counter()
     tasks = _parse_tasks(args.tasks)
-    for name in ("limit", "max_windows", "batch_size", "seqlen"):
+    for name in ("limit", "max_windows", "batch_size", "ppl_batch_size", "seqlen"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -299,7 +299,8 @@ def cmd_eval(args) -> int:
     dtype = _dtype(args.dtype, device)
     settings = {"tasks": ",".join(tasks), "limit": args.limit, "num_fewshot": args.num_fewshot,
                 "seqlen": args.seqlen, "max_windows": args.max_windows, "data_dir": args.data_dir,
-                "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_size": args.batch_size}
+                "device": device, "dtype": str(dtype).removeprefix("torch."), "batch_size": args.batch_size,
+                "ppl_batch_size": args.ppl_batch_size}
 
     # Perplexity text is read once and shared by both models.
     corpora = {t: load_corpus(t, args.data_dir) for t in tasks if t in PPL_TASKS}
@@ -476,7 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-word-ppl", action="store_true",
                    help="skip the lm-eval-style word perplexity pass (halves perplexity time)")
     e.add_argument("--data-dir", metavar="DIR", help="read every task from local files (layout below), not the hub")
-    e.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default: 1)")
+    e.add_argument("--batch-size", type=int, default=8,
+                   help="lm-eval requests per forward pass (default: 8; fewer passes matter on CPU)")
+    e.add_argument("--ppl-batch-size", type=int, default=1,
+                   help="perplexity windows per forward pass (default: 1; each holds seqlen x vocab logits)")
     e.add_argument("--num-fewshot", type=int, default=0, help="few-shot examples for lm-eval tasks (default: 0)")
     common(e, output_help="report directory (default: fp4ptq-out/eval-NAME[-vs-BASELINE])")
     e.set_defaults(func=cmd_eval)
