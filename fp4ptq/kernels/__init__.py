@@ -1,9 +1,15 @@
 """The one dispatch point for NVFP4 compute ops.
 
 Each op takes ``backend="auto" | "reference" | "triton"``. ``auto`` picks the
-Triton kernels when they can run the input (a CUDA tensor and a working
-Triton) and the ``fp4ptq.nvfp4`` reference otherwise. Asking for a backend
-that cannot run raises ``BackendUnavailable`` with the reason.
+Triton kernels when they can run the input (a CUDA tensor, bf16/fp16
+activations for the GEMMs, and a working Triton) and the ``fp4ptq.nvfp4``
+reference otherwise. Asking for a backend that cannot run raises
+``BackendUnavailable`` with the reason. Under ``TRITON_INTERPRET=1`` (set
+before the kernel modules are imported) ``backend="triton"`` runs the same
+kernels on CPU tensors: that is how the tests check them without a GPU.
+
+Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``)
+and ``gemm.py`` (W4A16 GEMV / tiled GEMM / dequantize+cuBLAS, W4A4).
 """
 from __future__ import annotations
 
@@ -21,30 +27,42 @@ class BackendUnavailable(RuntimeError):
     """The requested kernel backend cannot run this input here."""
 
 
-def triton_unavailable_reason(x: torch.Tensor) -> Optional[str]:
-    """Why the Triton backend cannot run on ``x`` (None when it can)."""
-    if not x.is_cuda:
-        import os
+def _interpreting() -> bool:
+    """Whether the Triton kernels run under the interpreter (CPU tensors).
+    Triton decides when a kernel module is imported; before that, the env var."""
+    import os
+    import sys
 
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return None
-        return f"the input is on {x.device}, the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    built = sys.modules.get(__name__ + ".gemm")
+    if built is not None:
+        return built.INTERPRET
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_unavailable_reason(x: torch.Tensor, *, op: str = "quantize") -> Optional[str]:
+    """Why the Triton backend cannot run ``op`` on ``x`` (None when it can)."""
     try:
         import triton  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the install
         return f"triton is not importable ({exc})"
+    if not x.is_cuda and not _interpreting():
+        return f"the input is on {x.device}, the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    if op != "quantize" and x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Triton GEMMs take bf16/fp16 activations, got {x.dtype}"
     return None
 
 
-def _pick(backend: str, x: torch.Tensor) -> str:
+def _pick(backend: str, x: torch.Tensor, op: str = "quantize", weight: Optional[NVFP4Tensor] = None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
     if backend == "reference":
         return "reference"
-    reason = triton_unavailable_reason(x)
+    reason = triton_unavailable_reason(x, op=op)
+    if reason is None and weight is not None and (len(weight.shape) != 2 or weight.padded_k != weight.shape[-1]):
+        reason = f"the Triton GEMMs need an unpadded 2-D weight, got shape {tuple(weight.shape)}"
     if backend == "triton":
         if reason is not None:
-            raise BackendUnavailable(f"backend='triton' cannot run: {reason}")
+            raise BackendUnavailable(f"backend='triton' cannot run {op}: {reason}")
         return "triton"
     return "triton" if reason is None and x.is_cuda else "reference"
 
@@ -58,9 +76,9 @@ def quantize(
 ) -> NVFP4Tensor:
     """Quantize a 2-D ``[M, K]`` tensor (activations or weights) to NVFP4."""
     if _pick(backend, x) == "triton":
-        from . import quantize as tq
+        from . import quantize_kernel
 
-        return tq.quantize(x, four_six, amax=amax)
+        return quantize_kernel.quantize(x, four_six, amax=amax)
     return nvfp4.quantize(x, four_six, amax=amax)
 
 
@@ -72,7 +90,7 @@ def linear_w4a16(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype."""
-    if _pick(backend, x) == "triton":
+    if _pick(backend, x, "linear_w4a16", weight) == "triton":
         from . import gemm
 
         return gemm.linear_w4a16(x, weight, bias)
@@ -90,7 +108,7 @@ def linear_w4a4(
 ) -> torch.Tensor:
     """W4A4: quantize ``x`` per 16-block under the static ``input_amax`` (with
     Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``."""
-    if _pick(backend, x) == "triton":
+    if _pick(backend, x, "linear_w4a4", weight) == "triton":
         from . import gemm
 
         return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)

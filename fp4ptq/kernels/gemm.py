@@ -1,0 +1,433 @@
+"""Triton NVFP4 GEMMs for Hopper: W4A16 (GEMV for tiny M, tiled ``tl.dot`` GEMM,
+dequantize + cuBLAS for prefill) and W4A4 (activations quantized on the fly).
+
+Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
+as int32 words of 8 codes; ``weight_scale [N, K/16]`` e4m3): the words are
+already contiguous along K, so a thread's 16-byte load covers 32 codes (2
+blocks) and a warp's loads are coalesced. No re-layout, no cache.
+
+Decoding a word by bit moves (no lookup table)
+----------------------------------------------
+Code ``i`` of a word sits at bits ``4i..4i+3`` (sign = bit 3, magnitude = an
+E2M1 exponent/mantissa field). Codes ``i`` and ``i+4`` become one register of
+two 16-bit floats with one shift pair and one masked merge (LOP3)::
+
+    r_i = ((w << (S - 4i)) & MAG) | ((w << (12 - 4i)) & 0x80008000)
+
+``S = 9`` puts the magnitude under fp16 exponent/mantissa bits 9..11: the
+half is then ``v * 2^-14`` (0.5 is the fp16 subnormal 2^-15, which fp16
+arithmetic and conversions keep). ``S = 6`` does the same under bf16's
+fields: ``v * 2^-126`` (0.5 is the bf16 subnormal 2^-127). The powers of two
+are folded into the block scale or the output scale once.
+
+Block scales decode by bit moves too: the E4M3 byte shifted left by 7 is the
+fp16 ``scale * 2^-8`` (subnormal E4M3 scales land on fp16 subnormals).
+
+Exactness: ``v * scale`` (2 and 4 significant bits) is exact in bf16 and
+fp16, so the tiled GEMM multiplies exactly-decoded weights (the global
+``1/global_enc`` is applied once to the fp32 accumulator). W4A4 feeds the
+same GEMMs with ``v_x * scale_x`` activations from the quantize kernel (exact
+too), so every product is an exact NVFP4 x NVFP4 product, accumulated in fp32.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import nvfp4
+from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from . import quantize_kernel
+
+SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
+FP16_MAG = tl.constexpr(0x0E000E00)    # fp16 exponent/mantissa bits 9..11 of both halves
+BF16_MAG = tl.constexpr(0x01C001C0)    # bf16 bits 6..8 of both halves
+
+
+# --------------------------------------------------------------------------- #
+# Decoding helpers
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _shl(w, amount: tl.constexpr):
+    if amount >= 0:
+        return w << amount
+    else:
+        return w >> (-amount)
+
+
+@triton.jit
+def _pair(w, i: tl.constexpr, S: tl.constexpr, MAG: tl.constexpr):
+    """Register of 16-bit float patterns for codes i (low half) and i+4 (high)."""
+    return (_shl(w, S - 4 * i) & MAG) | (_shl(w, 12 - 4 * i) & SIGN_MASK)
+
+
+@triton.jit
+def _halves(r, DT: tl.constexpr):
+    lo = r.to(tl.int16).to(DT, bitcast=True)
+    hi = (r >> 16).to(tl.int16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def decode_word(w, DT: tl.constexpr):
+    """int32 words -> eight 16-bit-float tensors (codes 0..7 of each word):
+    ``v * 2^-14`` for ``DT = fp16``, ``v * 2^-126`` for ``DT = bf16``."""
+    if DT == tl.float16:
+        S: tl.constexpr = 9
+        MAG: tl.constexpr = FP16_MAG
+    else:
+        S: tl.constexpr = 6
+        MAG: tl.constexpr = BF16_MAG
+    e0, e4 = _halves(_pair(w, 0, S, MAG), DT)
+    e1, e5 = _halves(_pair(w, 1, S, MAG), DT)
+    e2, e6 = _halves(_pair(w, 2, S, MAG), DT)
+    e3, e7 = _halves(_pair(w, 3, S, MAG), DT)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def scale_fp32(bits):
+    """E4M3 bytes (uint8/int) -> ``scale * 2^-8`` as fp32 (exact)."""
+    return (bits.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _assemble(e0, e1, e2, e3, e4, e5, e6, e7):
+    """Eight ``[..., W]`` tensors (code i of each word) -> ``[..., W, 2, 2, 2]``
+    whose row-major order is code 0..7 of each word: every ``tl.join`` appends
+    the innermost dim, so join the outermost bit of the code index (i // 4) first."""
+    return tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+
+
+@triton.jit
+def decode_tile(words, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr,
+                BF16_DIRECT: tl.constexpr):
+    """``words int32 [BN, BK/8]``, ``sbits [BN, BK/16]`` -> ``v * scale * 2^-c``
+    in DT ``[BN, BK]``, K order, exact (c = 14, or 26 with ``BF16_DIRECT``).
+
+    fp16 placement: ``(v * 2^-14) * scale`` in fp16 is exact (its smallest
+    value 2^-24 is fp16's smallest subnormal); for bf16 it is then converted
+    (exactly). ``BF16_DIRECT`` decodes straight into bf16 (``v * 2^-126``) and
+    multiplies by ``scale * 2^100``: one conversion fewer, but it relies on
+    bf16 arithmetic keeping the subnormal 2^-127 (code 0.5), which the
+    benchmark checks on the GPU (the Triton interpreter flushes it)."""
+    w3 = tl.reshape(words, (BLOCK_N, BLOCK_K // 16, 2))
+    sf = scale_fp32(sbits)  # scale * 2^-8
+    if BF16_DIRECT:
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.bfloat16)
+        sf = (sf * 1.2980742146337069e33).to(tl.bfloat16)[:, :, None]  # scale * 2^100
+    else:
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.float16)
+        sf = (sf * 256.0).to(tl.float16)[:, :, None]  # scale
+    full = _assemble(e0 * sf, e1 * sf, e2 * sf, e3 * sf, e4 * sf, e5 * sf, e6 * sf, e7 * sf)
+    return tl.reshape(full, (BLOCK_N, BLOCK_K)).to(tl.float32).to(DT)
+
+
+@triton.jit
+def _output_scale(y, wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.constexpr):
+    """``y * POW2 / global_enc_w (/ global_enc_x)`` in fp32: one correctly
+    rounded scalar ``POW2 / global_enc`` per program, one multiply per output."""
+    enc = tl.load(wenc_ptr)
+    if HAS_XENC:
+        enc = enc * tl.load(xenc_ptr)
+    return y * tl.math.div_rn(enc * 0.0 + POW2, enc)
+
+
+# --------------------------------------------------------------------------- #
+# GEMV: M <= 4, fp32 FMAs on fp16-decoded weights
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # Program: BLOCK_N weight rows x all K for one activation row; BLOCK_W
+    # words (8 codes each) per step along K. Everything stays 2-D [BN, BW] in
+    # one layout (no reshapes): x is loaded per code position j as [BW].
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n = tl.where(n_ok, n, 0).to(tl.int64)  # clamp: loads stay in bounds, the store is masked
+    kw = K // 8
+    kb = K // 16
+    aw = tl.arange(0, BLOCK_W)
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    xrow = x_ptr + row * stride_xm
+    for w0 in range(0, kw, BLOCK_W):
+        widx = w0 + aw
+        if EVEN_K:
+            words = tl.load(w_ptr + n[:, None] * kw + widx[None, :])
+            sb = tl.load(s_ptr + n[:, None] * kb + (widx // 2)[None, :])
+            xs = xrow + widx * 8
+            x0 = tl.load(xs).to(tl.float32)
+            x1 = tl.load(xs + 1).to(tl.float32)
+            x2 = tl.load(xs + 2).to(tl.float32)
+            x3 = tl.load(xs + 3).to(tl.float32)
+            x4 = tl.load(xs + 4).to(tl.float32)
+            x5 = tl.load(xs + 5).to(tl.float32)
+            x6 = tl.load(xs + 6).to(tl.float32)
+            x7 = tl.load(xs + 7).to(tl.float32)
+        else:
+            w_ok = widx < kw
+            words = tl.load(w_ptr + n[:, None] * kw + widx[None, :], mask=w_ok[None, :], other=0)
+            sb = tl.load(s_ptr + n[:, None] * kb + (widx // 2)[None, :], mask=w_ok[None, :], other=0)
+            xs = xrow + widx * 8
+            x0 = tl.load(xs, mask=w_ok, other=0.0).to(tl.float32)
+            x1 = tl.load(xs + 1, mask=w_ok, other=0.0).to(tl.float32)
+            x2 = tl.load(xs + 2, mask=w_ok, other=0.0).to(tl.float32)
+            x3 = tl.load(xs + 3, mask=w_ok, other=0.0).to(tl.float32)
+            x4 = tl.load(xs + 4, mask=w_ok, other=0.0).to(tl.float32)
+            x5 = tl.load(xs + 5, mask=w_ok, other=0.0).to(tl.float32)
+            x6 = tl.load(xs + 6, mask=w_ok, other=0.0).to(tl.float32)
+            x7 = tl.load(xs + 7, mask=w_ok, other=0.0).to(tl.float32)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(words, tl.float16)
+        part = e0.to(tl.float32) * x0[None, :]
+        part += e1.to(tl.float32) * x1[None, :]
+        part += e2.to(tl.float32) * x2[None, :]
+        part += e3.to(tl.float32) * x3[None, :]
+        part += e4.to(tl.float32) * x4[None, :]
+        part += e5.to(tl.float32) * x5[None, :]
+        part += e6.to(tl.float32) * x6[None, :]
+        part += e7.to(tl.float32) * x7[None, :]
+        acc += part * scale_fp32(sb)
+    y = tl.sum(acc, axis=1)  # [BN]
+    y = _output_scale(y, wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^14 (codes) * 2^8 (scales)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --------------------------------------------------------------------------- #
+# Tiled GEMM: tl.dot on exactly decoded bf16/fp16 weight tiles
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    grid_m = (M + BLOCK_M - 1) // BLOCK_M
+    grid_n = (N + BLOCK_N - 1) // BLOCK_N
+    # grouped order: GROUP_M row-tiles share each weight tile while it is in L2
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    m_ld = tl.where(m_ok, m, 0).to(tl.int64)
+    n_ld = tl.where(n_ok, n, 0).to(tl.int64)
+    kw = K // 8
+    kb = K // 16
+    ak = tl.arange(0, BLOCK_K)
+    aw = tl.arange(0, BLOCK_K // 8)
+    ab = tl.arange(0, BLOCK_K // 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + m_ld[:, None] * stride_xm + (k0 + ak)[None, :])
+            words = tl.load(w_ptr + n_ld[:, None] * kw + (k0 // 8 + aw)[None, :])
+            sb = tl.load(s_ptr + n_ld[:, None] * kb + (k0 // 16 + ab)[None, :])
+        else:
+            x = tl.load(x_ptr + m_ld[:, None] * stride_xm + (k0 + ak)[None, :],
+                        mask=(k0 + ak < K)[None, :], other=0.0)
+            words = tl.load(w_ptr + n_ld[:, None] * kw + (k0 // 8 + aw)[None, :],
+                            mask=(k0 // 8 + aw < kw)[None, :], other=0)
+            sb = tl.load(s_ptr + n_ld[:, None] * kb + (k0 // 16 + ab)[None, :],
+                         mask=(k0 // 16 + ab < kb)[None, :], other=0)
+        wt = decode_tile(words, sb, BLOCK_N, BLOCK_K, DT, BF16_DIRECT)
+        if DOT_FP32:  # Triton interpreter: its bf16 dot multiplies the raw uint16 patterns
+            acc = tl.dot(x.to(tl.float32), tl.trans(wt.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(wt), acc)
+    if BF16_DIRECT:
+        y = _output_scale(acc, wenc_ptr, xenc_ptr, 67108864.0, HAS_XENC)  # 2^26
+    else:
+        y = _output_scale(acc, wenc_ptr, xenc_ptr, 16384.0, HAS_XENC)  # 2^14
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n_ld).to(tl.float32)[None, :]
+    ptrs = y_ptr + m_ld[:, None] * stride_ym + n_ld[None, :]
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------- #
+# Dequantize (bit-identical to NVFP4Tensor.dequantize) for the cuBLAS path
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, wenc_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                    OUT_BF16: tl.constexpr):
+    # out[n, k] = dtype(fp32(v) * (fp32(scale) / global_enc)), exactly as the reference.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    kb = K // 16
+    ok = (n < N)[:, None] & (blk < kb)[None, :]
+    n64 = n.to(tl.int64)
+    widx = tl.program_id(1) * BLOCK_B * 2 + tl.arange(0, BLOCK_B * 2)
+    words = tl.load(w_ptr + n64[:, None] * (K // 8) + widx[None, :], mask=(n < N)[:, None] & (widx < K // 8)[None, :],
+                    other=0)
+    sb = tl.load(s_ptr + n64[:, None] * kb + blk[None, :], mask=ok, other=0)
+    step = tl.math.div_rn(scale_fp32(sb) * 256.0, tl.load(wenc_ptr) + tl.zeros((BLOCK_N, BLOCK_B), tl.float32))
+    w3 = tl.reshape(words, (BLOCK_N, BLOCK_B, 2))
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.float16)
+    st = step[:, :, None] * 16384.0  # also undoes the fp16 placement (exact)
+    full = _assemble(e0.to(tl.float32) * st, e1.to(tl.float32) * st, e2.to(tl.float32) * st,
+                     e3.to(tl.float32) * st, e4.to(tl.float32) * st, e5.to(tl.float32) * st,
+                     e6.to(tl.float32) * st, e7.to(tl.float32) * st)
+    vals = tl.reshape(full, (BLOCK_N, BLOCK_B * 16))
+    k = tl.program_id(1) * BLOCK_B * 16 + tl.arange(0, BLOCK_B * 16)
+    optr = out_ptr + n64[:, None] * K + k[None, :]
+    omask = (n < N)[:, None] & (k < K)[None, :]
+    if OUT_BF16:
+        # fp32 -> bf16 round-half-even on the bit pattern (exact everywhere,
+        # also under the Triton interpreter whose bf16 cast truncates)
+        bits = vals.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(optr, bits.to(tl.int16), mask=omask)
+    else:
+        tl.store(optr, vals.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# --------------------------------------------------------------------------- #
+# Host side
+# --------------------------------------------------------------------------- #
+def _weight_views(weight: NVFP4Tensor):
+    n, k = weight.shape[0], weight.shape[-1]
+    if len(weight.shape) != 2 or weight.padded_k != k or k % BLOCK_SIZE:
+        raise nvfp4.NVFP4Error(
+            f"Triton NVFP4 GEMM needs an unpadded 2-D weight with K % 16 == 0; got shape "
+            f"{tuple(weight.shape)} (packed K {weight.padded_k})"
+        )
+    packed = weight.packed.contiguous()
+    words = packed.view(torch.int32)  # [N, K/8]: 8 codes a word, K order
+    sbits = weight.block_scale.contiguous().view(torch.uint8)  # [N, K/16]
+    enc = weight.global_enc.reshape(1).to(torch.float32)
+    return n, k, words, sbits, enc
+
+
+# Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV,
+# and the smallest M from which dequantize + cuBLAS beats the fused GEMM.
+GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
+CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 1024))
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
+# bf16 weights decoded straight into bf16 (see decode_tile); never under the interpreter.
+BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "0") == "1" and not INTERPRET
+
+
+def _gemm_config(m: int, n: int, k: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by shape."""
+    if m <= 16:
+        return 16, 64, 256, 1, 4, 4
+    if m <= 64:
+        return 64, 128, 128, 8, 4, 4
+    return 128, 128, 64, 8, 8, 3
+
+
+def _gemv_config(m: int, n: int, k: int):
+    """(BLOCK_N, BLOCK_W, num_warps)."""
+    return 16, min(64, triton.next_power_of_2(max(1, k // 8))), 4
+
+
+def dequantize(weight: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Triton twin of ``weight.dequantize(dtype)`` (bit-identical) for 2-D weights."""
+    n, k, words, sbits, enc = _weight_views(weight)
+    out = torch.empty(n, k, dtype=dtype, device=words.device)
+    block_n, block_b = 32, min(16, triton.next_power_of_2(max(1, k // 16)))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // 16, block_b))
+    if n and k:
+        _dequant_kernel[grid](words, sbits, enc, out.view(torch.int16) if dtype == torch.bfloat16 else out, n, k,
+                              BLOCK_N=block_n, BLOCK_B=block_b, OUT_BF16=dtype == torch.bfloat16, num_warps=4,
+                              enable_fp_fusion=False)
+    return out
+
+
+def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Optional[str] = None,
+            out: Optional[torch.Tensor] = None):
+    """``x2 [M, K] @ dequant(weight).T`` (/ x_enc) + bias -> [M, N] in x2's dtype
+    (written into ``out`` when given: tests poison it first)."""
+    n, k, words, sbits, enc = _weight_views(weight)
+    m = x2.shape[0]
+    if x2.shape[1] != k:
+        raise ValueError(f"activation has K={x2.shape[1]}, the NVFP4 weight {tuple(weight.shape)} needs {k}")
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise nvfp4.NVFP4Error(f"Triton NVFP4 GEMM takes bf16/fp16 activations, got {x2.dtype}")
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if path is None:
+        path = "gemv" if m <= GEMV_MAX_M else ("cublas" if m >= CUBLAS_MIN_M and x_enc is None else "gemm")
+    elif path == "cublas" and x_enc is not None:
+        raise ValueError("the cuBLAS path takes W4A16 only (W4A4 needs the fp32 output scale)")
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
+    if y.shape != (m, n) or y.dtype != x2.dtype or y.stride(1) != 1:
+        raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} tensor with unit last stride")
+    if m == 0 or n == 0:
+        return y
+    has_bias = bias is not None
+    bias_arg = bias.contiguous() if has_bias else enc
+    xenc_arg = x_enc.reshape(1) if x_enc is not None else enc
+    if path == "cublas":
+        w = dequantize(weight, x2.dtype)
+        if x_enc is not None:
+            raise ValueError("the cuBLAS path takes W4A16 only")
+        return torch.addmm(bias, x2, w.t(), out=y) if bias is not None else torch.mm(x2, w.t(), out=y)
+    if path == "gemv":
+        block_n, block_w, warps = _gemv_config(m, n, k)
+        grid = (triton.cdiv(n, block_n), m)
+        _gemv_kernel[grid](
+            x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
+            HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n, BLOCK_W=block_w,
+            EVEN_K=(k // 8) % block_w == 0, num_warps=warps,
+        )
+        return y
+    if path != "gemm":
+        raise ValueError(f"unknown GEMM path {path!r}")
+    bm, bn, bk, group, warps, stages = _gemm_config(m, n, k)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _gemm_kernel[grid](
+        x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        EVEN_K=k % bk == 0, BF16_DIRECT=BF16_DIRECT and x2.dtype == torch.bfloat16,
+        DOT_FP32=INTERPRET and x2.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
+                 path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
+    ``path``: None (by shape), "gemv", "gemm" or "cublas"; ``out``: [M, N]."""
+    lead = x.shape[:-1]
+    y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                *, four_six: Optional[str] = None, path: Optional[str] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W4A4: quantize ``x`` under the static ``input_amax`` (+ Four Over Six) to
+    ``v * scale`` (exact, x's dtype), then the W4A16 GEMM divides the fp32
+    result by both global scales: exact NVFP4 x NVFP4 products, fp32 sums."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not torch.is_tensor(input_amax):
+        input_amax = torch.tensor(float(input_amax))
+    xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax.to(x.device), four_six)
+    y = _matmul(xs, weight, bias, x_enc, path=path, out=out)
+    return y.reshape(*lead, y.shape[-1])
+
+
+__all__ = ["dequantize", "linear_w4a16", "linear_w4a4"]

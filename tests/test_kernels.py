@@ -1,0 +1,199 @@
+"""Triton NVFP4 kernels vs the nvfp4.py reference, on CPU under TRITON_INTERPRET=1.
+
+Triton decides at import whether its own library functions (``tl.max``,
+``tl.sum``, ...) are interpreted, so the kernel tests run in a fresh Python
+process started with ``TRITON_INTERPRET=1`` (by
+``test_kernels_under_triton_interpreter``); the rest of the suite never sees
+the variable. Run them directly with ``TRITON_INTERPRET=1 pytest tests/test_kernels.py``.
+Shapes are small and odd on purpose: partial tiles in M, N and K. Outputs are
+poisoned with NaN before each run and must come back finite.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp4ptq import kernels, nvfp4
+from fp4ptq.kernels import BackendUnavailable
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_triton_interpreter"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the driver of the interpreted run")
+def test_kernels_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """(quantize_kernel, gemm), built under the Triton interpreter."""
+    qk = importlib.import_module("fp4ptq.kernels.quantize_kernel")
+    gm = importlib.import_module("fp4ptq.kernels.gemm")
+    assert gm.INTERPRET
+    return qk, gm
+
+
+def _activations(m, k, dtype, seed):
+    """Heavy-tailed data with an all-zero block, a -0.0, a tiny (zero-scale) block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g).pow(4) * 3
+    x[0, :16] = 0.0
+    x[-1, 3] = -0.0
+    if k >= 32:
+        x[-1, 16:32] *= 1e-7
+    return x.to(dtype)
+
+
+def _same_quantized(q, r):
+    assert torch.equal(q.global_enc, r.global_enc)
+    assert torch.equal(q.block_scale.view(torch.uint8), r.block_scale.view(torch.uint8))
+    assert torch.equal(q.packed, r.packed)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("four_six", [None, "max"])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 560)])
+def test_quantize_kernel_bit_identical(tk, dtype, four_six, shape):
+    qk, _ = tk
+    x = _activations(*shape, dtype, seed=shape[1])
+    q, r = qk.quantize(x, four_six), nvfp4.quantize(x, four_six)
+    _same_quantized(q, r)
+    if four_six is not None:
+        assert torch.equal(q.chose_four, r.chose_four)
+
+
+@interpreted
+@pytest.mark.parametrize("rule", ["mse", "mae"])
+def test_quantize_kernel_four_six_sums_only_flip_near_ties(tk, rule):
+    """Summed 4/6 errors may round differently from torch.sum; a flipped
+    choice is allowed only where the two block errors are within 1e-5."""
+    qk, _ = tk
+    x = _activations(64, 256, torch.bfloat16, seed=1)
+    q, r = qk.quantize(x, rule), nvfp4.quantize(x, rule)
+    flipped = q.chose_four != r.chose_four
+    assert flipped.float().mean() < 0.01
+    blocks = x.float().reshape(-1, 16)[flipped.reshape(-1)]
+    enc = r.global_enc
+    bmax = blocks.abs().amax(-1)
+    errs = []
+    for target in (6.0, 4.0):
+        step = (nvfp4.block_scale(bmax, enc, target) / enc).unsqueeze(-1)
+        x_hat = nvfp4.e2m1_rne(blocks / step) * step
+        errs.append(nvfp4._block_error(x_hat, blocks, rule))
+    assert torch.all((errs[0] - errs[1]).abs() <= 1e-5 * errs[0].abs().clamp(min=1e-30))
+    same = ~flipped.unsqueeze(-1).expand(*flipped.shape, 16).reshape(x.shape)
+    assert torch.equal(q.codes()[same], r.codes()[same])
+
+
+@interpreted
+def test_quantize_kernel_static_amax_saturates_like_reference(tk):
+    qk, _ = tk
+    x = _activations(9, 64, torch.bfloat16, seed=3)
+    for amax in (0.05, 1.0, 1e4):
+        for rule in (None, "mse"):
+            q, r = qk.quantize(x, rule, amax=amax), nvfp4.quantize(x, rule, amax=amax)
+            _same_quantized(q, r)
+
+
+@interpreted
+def test_quantize_scaled_is_code_times_scale(tk):
+    qk, _ = tk
+    x = _activations(7, 96, torch.bfloat16, seed=4)
+    amax = torch.tensor(2.5)
+    for rule in (None, "mae"):
+        scaled, enc = qk.quantize_scaled(x, amax, rule)
+        r = nvfp4.quantize(x, rule, amax=amax)
+        expect = nvfp4.e2m1_decode(r.codes()) * r.block_scale.float().repeat_interleave(16, -1)
+        assert torch.equal(enc, r.global_enc)
+        assert torch.equal(scaled.float(), expect)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_kernel_decodes_all_codes_exactly(tk, dtype):
+    """Every code (0x0..0xF, incl. -0 and the 0.5 that lands on an fp16
+    subnormal) under normal and subnormal E4M3 scales."""
+    _, gm = tk
+    codes = torch.arange(16, dtype=torch.uint8).repeat(6, 3)  # [6, 48]
+    scales = torch.tensor([448.0, 1.0, 0.015625, 0.001953125, 0.005859375, 3.0]).unsqueeze(1).expand(6, 3)
+    w = nvfp4.NVFP4Tensor(nvfp4.pack_codes(codes), scales.to(torch.float8_e4m3fn).contiguous(),
+                          torch.tensor(7.5), torch.Size((6, 48)), dtype)
+    assert torch.equal(gm.dequantize(w, dtype), w.dequantize(dtype))
+
+
+def _weight(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return nvfp4.quantize(torch.randn(n, k, generator=g) * 0.05)
+
+
+def _rel(y, ref):
+    assert torch.isfinite(y).all(), "output has unwritten (NaN) or non-finite elements"
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path,shapes", [
+    ("gemv", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
+    ("gemm", [(3, 70, 272), (17, 65, 144), (70, 130, 96)]),
+    ("cublas", [(5, 33, 64)]),
+])
+def test_w4a16_matches_dequantized_matmul(tk, dtype, path, shapes):
+    _, gm = tk
+    for m, n, k in shapes:
+        wq = _weight(n, k, seed=n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        bias = torch.randn(n).to(dtype)
+        ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        y = gm.linear_w4a16(x, wq, bias, path=path, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert _rel(y, ref) < 1e-2, (path, m, n, k)
+
+
+@interpreted
+@pytest.mark.parametrize("four_six", [None, "mse"])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 19)])
+def test_w4a4_matches_reference(tk, four_six, path, m):
+    _, gm = tk
+    n, k = 36, 160
+    wq = _weight(n, k, seed=5)
+    x = _activations(m, k, torch.bfloat16, seed=6)
+    amax = torch.tensor(4.0)
+    ref = kernels.linear_w4a4(x.float(), wq, amax, four_six=four_six, backend="reference")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    y = gm.linear_w4a4(x, wq, amax, four_six=four_six, path=path, out=out)
+    assert _rel(y, ref) < 1e-2
+
+
+@interpreted
+def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkeypatch):
+    x = _activations(4, 64, torch.bfloat16, seed=7)
+    q = kernels.quantize(x, "mse", backend="triton")
+    _same_quantized(q, nvfp4.quantize(x, "mse"))
+    wq = _weight(24, 64, seed=8)
+    y = kernels.linear_w4a16(x, wq, backend="triton")
+    assert _rel(y, x.float() @ wq.dequantize(torch.float32).T) < 1e-2
+    # auto never picks Triton for CPU tensors
+    assert torch.equal(kernels.linear_w4a16(x, wq), torch.nn.functional.linear(x, wq.dequantize(x.dtype)))
+    with pytest.raises(BackendUnavailable, match="bf16/fp16"):
+        kernels.linear_w4a16(x.float(), wq, backend="triton")
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        kernels.quantize(x, backend="triton")
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        kernels.quantize(x, backend="cuda")
