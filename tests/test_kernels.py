@@ -167,7 +167,7 @@ def test_w4a16_matches_dequantized_matmul(tk, dtype, path, shapes):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
-@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 19)])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 19), ("cublas", 6)])
 def test_w4a4_matches_reference(tk, four_six, path, m):
     _, gm = tk
     n, k = 36, 160

@@ -76,15 +76,15 @@ def decode_word(w, DT: tl.constexpr):
     """int32 words -> eight 16-bit-float tensors (codes 0..7 of each word):
     ``v * 2^-14`` for ``DT = fp16``, ``v * 2^-126`` for ``DT = bf16``."""
     if DT == tl.float16:
-        S: tl.constexpr = 9
-        MAG: tl.constexpr = FP16_MAG
+        e0, e4 = _halves(_pair(w, 0, 9, FP16_MAG), DT)
+        e1, e5 = _halves(_pair(w, 1, 9, FP16_MAG), DT)
+        e2, e6 = _halves(_pair(w, 2, 9, FP16_MAG), DT)
+        e3, e7 = _halves(_pair(w, 3, 9, FP16_MAG), DT)
     else:
-        S: tl.constexpr = 6
-        MAG: tl.constexpr = BF16_MAG
-    e0, e4 = _halves(_pair(w, 0, S, MAG), DT)
-    e1, e5 = _halves(_pair(w, 1, S, MAG), DT)
-    e2, e6 = _halves(_pair(w, 2, S, MAG), DT)
-    e3, e7 = _halves(_pair(w, 3, S, MAG), DT)
+        e0, e4 = _halves(_pair(w, 0, 6, BF16_MAG), DT)
+        e1, e5 = _halves(_pair(w, 1, 6, BF16_MAG), DT)
+        e2, e6 = _halves(_pair(w, 2, 6, BF16_MAG), DT)
+        e3, e7 = _halves(_pair(w, 3, 6, BF16_MAG), DT)
     return e0, e1, e2, e3, e4, e5, e6, e7
 
 
@@ -214,7 +214,6 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     grid_m = (M + BLOCK_M - 1) // BLOCK_M
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -249,7 +248,7 @@ def _gemm_kernel(
                             mask=(k0 // 8 + aw < kw)[None, :], other=0)
             sb = tl.load(s_ptr + n_ld[:, None] * kb + (k0 // 16 + ab)[None, :],
                          mask=(k0 // 16 + ab < kb)[None, :], other=0)
-        wt = decode_tile(words, sb, BLOCK_N, BLOCK_K, DT, BF16_DIRECT)
+        wt = decode_tile(words, sb, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, BF16_DIRECT)
         if DOT_FP32:  # Triton interpreter: its bf16 dot multiplies the raw uint16 patterns
             acc = tl.dot(x.to(tl.float32), tl.trans(wt.to(tl.float32)), acc)
         else:
@@ -322,6 +321,7 @@ def _weight_views(weight: NVFP4Tensor):
 # and the smallest M from which dequantize + cuBLAS beats the fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 1024))
+CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 1 << 30))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile); never under the interpreter.
 BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "0") == "1" and not INTERPRET
@@ -341,9 +341,12 @@ def _gemv_config(m: int, n: int, k: int):
     return 16, min(64, triton.next_power_of_2(max(1, k // 8))), 4
 
 
-def dequantize(weight: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Triton twin of ``weight.dequantize(dtype)`` (bit-identical) for 2-D weights."""
+def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = False) -> torch.Tensor:
+    """Triton twin of ``weight.dequantize(dtype)`` (bit-identical) for 2-D
+    weights; ``unit_global=True`` leaves out ``1/global_enc``: ``v * scale``, exact."""
     n, k, words, sbits, enc = _weight_views(weight)
+    if unit_global:
+        enc = torch.ones_like(enc)
     out = torch.empty(n, k, dtype=dtype, device=words.device)
     block_n, block_b = 32, min(16, triton.next_power_of_2(max(1, k // 16)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // 16, block_b))
@@ -367,9 +370,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if path is None:
-        path = "gemv" if m <= GEMV_MAX_M else ("cublas" if m >= CUBLAS_MIN_M and x_enc is None else "gemm")
-    elif path == "cublas" and x_enc is not None:
-        raise ValueError("the cuBLAS path takes W4A16 only (W4A4 needs the fp32 output scale)")
+        cublas_from = CUBLAS_MIN_M if x_enc is None else CUBLAS_MIN_M_W4A4
+        path = "gemv" if m <= GEMV_MAX_M else ("cublas" if m >= cublas_from else "gemm")
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x2.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} tensor with unit last stride")
@@ -379,10 +381,16 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     bias_arg = bias.contiguous() if has_bias else enc
     xenc_arg = x_enc.reshape(1) if x_enc is not None else enc
     if path == "cublas":
-        w = dequantize(weight, x2.dtype)
-        if x_enc is not None:
-            raise ValueError("the cuBLAS path takes W4A16 only")
-        return torch.addmm(bias, x2, w.t(), out=y) if bias is not None else torch.mm(x2, w.t(), out=y)
+        if x_enc is None:
+            # exactly the reference: F.linear on the bit-identical dequantized weight
+            w = dequantize(weight, x2.dtype)
+            return torch.addmm(bias, x2, w.t(), out=y) if has_bias else torch.mm(x2, w.t(), out=y)
+        # W4A4: exact v*scale operands, fp32 accumulation in cuBLAS; the bf16/fp16
+        # product is then scaled by 1/(global_w * global_x): one extra rounding.
+        w = dequantize(weight, x2.dtype, unit_global=True)
+        torch.mm(x2, w.t(), out=y)
+        y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
+        return y.add_(bias) if has_bias else y
     if path == "gemv":
         block_n, block_w, warps = _gemv_config(m, n, k)
         grid = (triton.cdiv(n, block_n), m)
