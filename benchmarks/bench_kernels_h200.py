@@ -135,18 +135,21 @@ def main_gpu():
 
     # ---- config sweeps where the targets are tight (M = 1 GEMV, M = 16 GEMM) ----
     sweep_shapes = os.environ.get("SWEEP", "8B.gate_up,70B.gate_up,8B.o").split(",")
-    gemv_cfgs = [(bn, bw, nw) for bn in (8, 16, 32) for bw in (32, 64, 128) for nw in (4, 8)]
-    gemm16_cfgs = [(16, 64, 256, 1, 4, 4), (16, 128, 128, 1, 4, 4), (16, 64, 512, 1, 4, 3), (16, 128, 256, 1, 8, 3),
-                   (16, 32, 512, 1, 4, 4)]
+    gemv_cfgs = [(bn, bw, nw) for bn in (4, 8, 16, 32) for bw in (64, 128, 256) for nw in (1, 2, 4)]
+    gemm16_cfgs = [(16, 64, 256, 1, 4, 4, 0), (16, 64, 256, 1, 4, 4, 1), (16, 128, 128, 1, 4, 4, 1),
+                   (16, 64, 128, 1, 4, 4, 1), (16, 128, 256, 1, 4, 3, 1), (16, 64, 256, 1, 4, 3, 1),
+                   (16, 256, 128, 1, 8, 3, 1), (16, 64, 512, 1, 4, 3, 1)]
+    gemm128_cfgs = [(128, 128, 64, 8, 8, 3, 0), (64, 128, 128, 8, 4, 3, 0), (64, 64, 128, 8, 4, 4, 0),
+                    (128, 256, 64, 8, 8, 3, 0), (128, 128, 128, 8, 8, 3, 0)]
     orig_gemv, orig_gemm = gm._gemv_config, gm._gemm_config
     for name in sweep_shapes if sweep_shapes != [""] else []:
         n, k = SHAPES[name]
         wq = nvfp4.quantize(torch.randn(n, k, device=dev) * 0.02)
-        for m, cfgs, path in ((1, gemv_cfgs, "gemv"), (16, gemm16_cfgs, "gemm")):
+        for m, cfgs, path in ((1, gemv_cfgs, "gemv"), (16, gemm16_cfgs, "gemm"), (128, gemm128_cfgs, "gemm")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wq.dequantize(torch.float32).T
             for cfg in cfgs:
-                if time.time() - t0 > budget * 0.35:
+                if time.time() - t0 > budget * 0.45:
                     break
                 if path == "gemv":
                     gm._gemv_config = lambda *a, c=cfg: c
@@ -184,10 +187,43 @@ def main_gpu():
     res["chosen_configs"] = {f"M={k[0]},{k[1]}": list(v) for k, v in chosen.items()}
     if (1, "gemv") in chosen:
         gm._gemv_config = lambda *a, c=chosen[(1, "gemv")]: c
-    if (16, "gemm") in chosen:
-        small = chosen[(16, "gemm")]
-        gm._gemm_config = lambda m, n, k, s=small, f=orig_gemm: s if m <= 16 else f(m, n, k)
+    small = chosen.get((16, "gemm"))
+    mid = chosen.get((128, "gemm"))
+    gm._gemm_config = lambda m, n, k, s=small, md=mid, f=orig_gemm: (
+        s if m <= 16 and s else md if m > 16 and md else f(m, n, k))
     print("chosen", res["chosen_configs"], flush=True)
+
+    # ---- quantize kernel tiles ----
+    orig_tile = qk._tile
+    for m, k in ((8192, 4096), (8192, 14336)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        for tile in ((8, 32, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (16, 64, 8), (64, 16, 8), (4, 64, 4),
+                     (2, 128, 4), (64, 32, 8)):
+            qk._tile = lambda *a, c=tile: c
+            for rule in (None, "mse"):
+                try:
+                    ms = peers.bench(lambda: qk.launch_quantize(x, amax, rule))
+                    byt = 2 * m * k + m * k / 2 + m * k / 16
+                    res["sweeps"].append({"shape": f"quant{m}x{k}", "M": m, "path": f"quantize[{rule}]",
+                                          "cfg": tile, "ms": ms, "TBps": byt / (ms * 1e-3) / 1e12, "rel_err": 0.0})
+                    print(f"sweep quantize {m}x{k} {rule} {tile} {ms*1e3:.1f}us {byt/(ms*1e-3)/1e12:.2f}TB/s",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res["sweeps"].append({"shape": f"quant{m}x{k}", "path": f"quantize[{rule}]", "cfg": tile,
+                                          "error": repr(e)[:300]})
+        qk._tile = orig_tile
+    qbest = {}
+    for r in res["sweeps"]:
+        if r["path"].startswith("quantize") and "ms" in r:
+            qbest.setdefault(r["path"], {}).setdefault(tuple(r["cfg"]), []).append(r["ms"])
+    for rule_path, agg in qbest.items():
+        res["chosen_configs"][rule_path] = list(min(agg, key=lambda c: sum(agg[c])))
+    if "quantize[None]" in res["chosen_configs"]:
+        std, fs = res["chosen_configs"]["quantize[None]"], res["chosen_configs"].get("quantize[mse]")
+        qk._tile = lambda m, k, s=tuple(std), f=orig_tile: s if m * k >= (1 << 20) else f(m, k)
+    print("chosen", res["chosen_configs"], flush=True)
+    save()
 
     # ---- main table ----
     for name, (n, k) in SHAPES.items():

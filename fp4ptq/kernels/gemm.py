@@ -212,8 +212,10 @@ def _gemm_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
+    # SWAP_AB (small M): accumulate y^T = W x^T so the decoded weight tile is
+    # the MMA's A operand (registers) and the activations the small B operand.
     pid = tl.program_id(0)
     grid_m = (M + BLOCK_M - 1) // BLOCK_M
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -235,7 +237,10 @@ def _gemm_kernel(
     ak = tl.arange(0, BLOCK_K)
     aw = tl.arange(0, BLOCK_K // 8)
     ab = tl.arange(0, BLOCK_K // 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + m_ld[:, None] * stride_xm + (k0 + ak)[None, :])
@@ -250,9 +255,14 @@ def _gemm_kernel(
                          mask=(k0 // 16 + ab < kb)[None, :], other=0)
         wt = decode_tile(words, sb, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, BF16_DIRECT)
         if DOT_FP32:  # Triton interpreter: its bf16 dot multiplies the raw uint16 patterns
-            acc = tl.dot(x.to(tl.float32), tl.trans(wt.to(tl.float32)), acc)
+            x = x.to(tl.float32)
+            wt = wt.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(wt, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(wt), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if BF16_DIRECT:
         y = _output_scale(acc, wenc_ptr, xenc_ptr, 67108864.0, HAS_XENC)  # 2^26
     else:
@@ -320,8 +330,8 @@ def _weight_views(weight: NVFP4Tensor):
 # Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV,
 # and the smallest M from which dequantize + cuBLAS beats the fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
-CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 1024))
-CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 1 << 30))
+CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
+CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile); never under the interpreter.
 BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "0") == "1" and not INTERPRET
@@ -338,7 +348,7 @@ def _gemm_config(m: int, n: int, k: int):
 
 def _gemv_config(m: int, n: int, k: int):
     """(BLOCK_N, BLOCK_W, num_warps)."""
-    return 16, min(64, triton.next_power_of_2(max(1, k // 8))), 4
+    return 8, min(128, triton.next_power_of_2(max(1, k // 8))), 4
 
 
 def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = False) -> torch.Tensor:
@@ -402,13 +412,14 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         return y
     if path != "gemm":
         raise ValueError(f"unknown GEMM path {path!r}")
-    bm, bn, bk, group, warps, stages = _gemm_config(m, n, k)
+    bm, bn, bk, group, warps, stages, *rest = _gemm_config(m, n, k)
+    swap = bool(rest and rest[0])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](
         x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
         EVEN_K=k % bk == 0, BF16_DIRECT=BF16_DIRECT and x2.dtype == torch.bfloat16,
-        DOT_FP32=INTERPRET and x2.dtype == torch.bfloat16,
+        DOT_FP32=INTERPRET and x2.dtype == torch.bfloat16, SWAP_AB=swap,
         num_warps=warps, num_stages=stages,
     )
     return y
