@@ -342,11 +342,15 @@ def _write_shards(state: dict, directory: Path, max_shard_size, metadata: dict) 
     split = split_torch_state_dict_into_shards(
         state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
+    umask = os.umask(0)
+    os.umask(umask)
     files = {}
     for filename, names in tqdm(split.filename_to_tensors.items(), desc="Writing shards",
                                 disable=len(split.filename_to_tensors) < 2):
         shard = {name: state[name].detach().to("cpu").contiguous() for name in names}
         save_file(shard, str(directory / filename), metadata={"format": "pt", **metadata})
+        # safetensors writes through a private temp file (mode 0600): give shards the usual mode.
+        os.chmod(directory / filename, 0o666 & ~umask)
         files[filename] = (directory / filename).stat().st_size
     if split.is_sharded:
         _write_json(directory / INDEX_FILE, {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename})
@@ -373,6 +377,8 @@ def _config_dict(model: nn.Module, quantization_config: dict, layers: dict, dtyp
 
     config = json.loads(model.config.to_json_string(use_diff=True))
     config["quantization_config"] = quantization_config
+    # Engines (vLLM, SGLang, TensorRT-LLM) pick the model class from it; GGUF-built configs lack it.
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     # A quantized tied target (e.g. lm_head tied to the embeddings) is no longer tied.

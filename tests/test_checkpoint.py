@@ -103,6 +103,16 @@ def test_round_trip_gives_bit_identical_packed_tensors_and_identical_logits(save
     assert loaded.fp4ptq_info["layers"] == json.loads(json.dumps(model.fp4ptq_info))["layers"]
 
 
+def test_load_with_another_dtype_keeps_packed_tensors_and_casts_the_rest(saved):
+    model, path = saved["w4a16"]
+    loaded = fp4ptq.load(path, dtype=torch.bfloat16)     # default device: CPU here (CUDA when available)
+    layer = loaded.model.layers[0].mlp.down_proj
+    assert layer.dtype == torch.bfloat16 and loaded.model.norm.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight_packed, model.model.layers[0].mlp.down_proj.weight_packed)
+    with torch.no_grad():
+        assert loaded(tokens()).logits.dtype == torch.bfloat16
+
+
 def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved):
     model, path = saved["w4a4"]
     names = {p.name for p in path.iterdir()}
@@ -110,6 +120,9 @@ def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved
             "tokenizer.json", "tokenizer_config.json"} <= names
     config = json.loads((path / "config.json").read_text())
     assert config["fp4ptq"]["act_four_six"] == "mse" and config["dtype"] == "float32"
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    mode = (path / "config.json").stat().st_mode & 0o777
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == mode and (path.stat().st_mode & 0o777) != 0o700
     report = json.loads((path / "fp4ptq_report.json").read_text())
     assert report["config"]["method"] == "rtn" and report["config"]["four_six"] == "mse"
     assert report["calibration"]["nsamples"] == 4
