@@ -338,17 +338,20 @@ BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "0") == "1" and not INTERPRET
 
 
 def _gemm_config(m: int, n: int, k: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by shape."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, SWAP_AB]) by
+    shape: the best of the H200 sweeps (benchmarks/results/kernels_h200.json)."""
     if m <= 16:
         return 16, 64, 256, 1, 4, 4
     if m <= 64:
-        return 64, 128, 128, 8, 4, 4
-    return 128, 128, 64, 8, 8, 3
+        return 64, 64, 128, 8, 4, 4
+    return 128, 128, 128, 8, 8, 3
 
 
 def _gemv_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_W, num_warps)."""
-    return 8, min(128, triton.next_power_of_2(max(1, k // 8))), 4
+    """(BLOCK_N, BLOCK_W, num_warps): one-warp programs of 4 rows for wide
+    layers, 4-warp programs of 16 rows for narrow ones (H200 sweeps)."""
+    block_w = min(64, triton.next_power_of_2(max(1, k // 8)))
+    return (4, block_w, 1) if n > 4096 else (16, block_w, 4)
 
 
 def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = False) -> torch.Tensor:
