@@ -65,6 +65,12 @@ def _inverse_hessian_cholesky(H: torch.Tensor, damp: float, name: str) -> torch.
         ) from exc
 
 
+def _decode(codes: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
+    """``nvfp4.e2m1_decode`` with its value table passed in (-0 decodes to 0)."""
+    magnitude = magnitudes[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+
+
 def gptq(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -131,6 +137,9 @@ def gptq(
     scales = torch.empty(out_features, n_groups, dtype=torch.float32, device=W.device)
     chose_four = torch.zeros(out_features, n_groups, dtype=torch.bool, device=W.device)
     step = None
+    # nvfp4.e2m1_decode's table, built once: building it per column would be a
+    # host-to-device copy (a stall) per column on a GPU.
+    magnitudes = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float32, device=W.device)
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
         W1 = Wf[:, i1:i2].clone()            # [out, b]
@@ -150,7 +159,7 @@ def gptq(
                 step = scale / global_enc    # [out]
             w = W1[:, i]
             code = nvfp4.e2m1_code(torch.where(step > 0, w / step, w * 0.0))
-            q = nvfp4.e2m1_decode(code) * step
+            q = _decode(code, magnitudes) * step
             codes[:, i1 + i] = code
             err = (w - q) / Hinv1[i, i]
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
