@@ -121,7 +121,7 @@ def nvfp4_layers(model: nn.Module) -> dict:
 
 
 def _high_precision_linears(model: nn.Module) -> list:
-    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
 def _act_four_six(layers: dict):
@@ -262,10 +262,14 @@ def _modelopt_state_dict(state: dict, layers: dict) -> dict:
 
 
 def _tensor_bytes(state: dict, layers: dict) -> dict:
-    quant_names = {f"{name}.{b}" for name in layers for b in _QUANT_BUFFERS}
-    packed = sum(t.numel() * t.element_size() for n, t in state.items() if n.endswith(".weight_packed") and n in quant_names)
-    scales = sum(t.numel() * t.element_size() for n, t in state.items() if n in quant_names and not n.endswith(".weight_packed"))
-    total = sum(t.numel() * t.element_size() for t in state.values())
+    def nbytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    quant_names = {f"{name}.{buffer}" for name in layers for buffer in _QUANT_BUFFERS}
+    quant = {n: t for n, t in state.items() if n in quant_names}
+    packed = sum(nbytes(t) for n, t in quant.items() if n.endswith(".weight_packed"))
+    scales = sum(nbytes(t) for t in quant.values()) - packed
+    total = sum(nbytes(t) for t in state.values())
     quant_params = sum(m.in_features * m.out_features for m in layers.values())
     return {
         "packed_weights": packed,

@@ -137,6 +137,23 @@ def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved
     assert 4.5 < ck["tensor_bytes"]["bits_per_quantized_weight"] < 4.6
 
 
+def test_mixed_schemes_get_one_config_group_each_and_round_trip(tmp_path):
+    model = quantized_llama("w4a4", seed=5)
+    down = model.model.layers[1].mlp.down_proj          # not fused: may differ in scheme
+    model.model.layers[1].mlp.down_proj = NVFP4Linear.from_quantized(down.quantized_weight(), scheme="w4a16")
+    path = fp4ptq.save(model, tmp_path / "mixed")
+    groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+    by_inputs = {g["input_activations"] is None: g["targets"] for g in groups.values()}
+    assert len(groups) == 2 and by_inputs[True] == ["model.layers.1.mlp.down_proj"] and len(by_inputs[False]) == 13
+    loaded = fp4ptq.load(path, device="cpu")
+    mlp = loaded.model.layers[1].mlp
+    assert mlp.down_proj.scheme == "w4a16" and mlp.up_proj.scheme == "w4a4"
+    with torch.no_grad():
+        assert torch.equal(model(tokens()).logits, loaded(tokens()).logits)
+    with pytest.raises(CheckpointError, match="mixes schemes"):
+        fp4ptq.save(model, tmp_path / "modelopt", format="modelopt")
+
+
 def test_sharding_respects_max_shard_size_and_writes_an_index(tmp_path):
     model = quantized_llama("w4a16", seed=2)
     path = fp4ptq.save(model, tmp_path / "sharded", max_shard_size="20KB")
@@ -330,7 +347,7 @@ def test_unknown_format_and_unquantized_model_are_refused(tmp_path):
 
 def test_fused_layers_must_share_one_global_scale(tmp_path):
     model = tiny_llama()
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"):
+    for name in (f"model.layers.0.self_attn.{p}_proj" for p in "qkv"):
         linear = model.get_submodule(name)
         layer = NVFP4Linear.from_quantized(nvfp4.quantize(linear.weight.data))   # each its own amax
         parent, _, leaf = name.rpartition(".")
@@ -431,15 +448,6 @@ BAD_TENSORS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_TENSORS))
-def test_bad_tensors_raise_a_clear_error(saved, tmp_path, case):
-    edit, message = BAD_TENSORS[case]
-    path = copy_checkpoint(saved["w4a16"][1], tmp_path / "bad")
-    rewrite(path, edit)
-    with pytest.raises(CheckpointError, match=message):
-        fp4ptq.load(path, device="cpu")
-
-
 BAD_CONFIGS = {
     "8-bit weights": (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8),
                      r"weights\.num_bits = 8"),
@@ -456,11 +464,17 @@ BAD_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
-def test_configs_that_do_not_match_raise_a_clear_error(saved, tmp_path, case):
-    edit, message = BAD_CONFIGS[case]
+BAD_CHECKPOINTS = {
+    **{f"tensors: {case}": (rewrite, edit, message) for case, (edit, message) in BAD_TENSORS.items()},
+    **{f"config: {case}": (edit_config, edit, message) for case, (edit, message) in BAD_CONFIGS.items()},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_tensors_and_mismatched_configs_raise_a_clear_error(saved, tmp_path, case):
+    apply, edit, message = BAD_CHECKPOINTS[case]
     path = copy_checkpoint(saved["w4a16"][1], tmp_path / "bad")
-    edit_config(path, edit)
+    apply(path, edit)
     with pytest.raises(CheckpointError, match=message):
         fp4ptq.load(path, device="cpu")
 

