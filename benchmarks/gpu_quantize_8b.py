@@ -95,6 +95,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    if cuda and device.index is None:  # the memory-stat APIs need an explicit index
+        device = torch.device("cuda", torch.cuda.current_device())
     sizes = TINY if args.tiny else LLAMA31_8B
     nsamples = args.nsamples or (4 if args.tiny else 128)
     seqlen = args.seqlen or (128 if args.tiny else 2048)
