@@ -41,6 +41,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FOUR_SIX_RULES = ("mse", "mae", "max")
 FourSixRule = Literal["mse", "mae", "max"]
 
+def _just_below(v: float) -> float:
+    return torch.nextafter(torch.tensor(v), torch.tensor(0.0)).item()
+
+
+# Decision boundaries between neighbouring E2M1 magnitudes (see e2m1_code).
+_E2M1_BOUNDS = (0.25, _just_below(0.75), 1.25, _just_below(1.75), 2.5, _just_below(3.5), 5.0)
+
 # Rows of blocks processed at once by the reference quantizer: bounds the
 # temporaries (about 40 bytes per element) without a Python loop over blocks.
 _CHUNK_ELEMENTS = 1 << 24
@@ -62,24 +69,19 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     codes): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
     """
     a = x.abs().float()
-    index = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
+    # index = #(boundaries < a): ties at 0.25, 1.25, 2.5, 5 go down (a > b), ties at
+    # 0.75, 1.75, 3.5 go up (a >= b, written as a > the fp32 value just below b).
+    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
+    index = torch.bucketize(a, bounds, out_int32=True).to(torch.uint8)
     sign = torch.signbit(x).to(torch.uint8) << 3
     return sign | index
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """Decode uint8 codes (low 4 bits) to fp32 values; 0x8 (-0) decodes to zero."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+    # One gather from the signed 16-entry table (entry 8 is -0.0).
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[(codes & 0xF).long()]
 
 
 def e2m1_rne(x: torch.Tensor) -> torch.Tensor:
@@ -223,19 +225,21 @@ def _block_error(x_hat: torch.Tensor, x: torch.Tensor, rule: str) -> torch.Tenso
     raise NVFP4Error(f"unknown Four Over Six rule {rule!r}; choose one of {FOUR_SIX_RULES}")
 
 
-def _round_with_scale(x: torch.Tensor, scale: torch.Tensor, global_enc: torch.Tensor):
-    """Codes and dequantized values of blocks ``x [..., n]`` for fp32 scales
-    ``[...]``; blocks whose scale is 0 store zeros (keeping the sign bit)."""
+def _round_with_scale(x: torch.Tensor, scale: torch.Tensor, global_enc: torch.Tensor, values: bool = True):
+    """Codes and (if ``values``) dequantized values of blocks ``x [..., n]`` for
+    fp32 scales ``[...]``; blocks whose scale is 0 store zeros (keeping the sign bit)."""
     step = (scale / global_enc).unsqueeze(-1)
     scaled = torch.where(step > 0, x / step, x * 0.0)
     codes = e2m1_code(scaled)
-    return codes, e2m1_decode(codes) * step
+    return codes, (e2m1_decode(codes) * step if values else None)
 
 
 def quantize_blocks(
     x: torch.Tensor,
     global_enc: torch.Tensor,
     four_six: Optional[str] = None,
+    *,
+    values: bool = True,
 ):
     """Quantize blocks ``x: [..., n]`` (fp32, one block per trailing row of n
     elements; n = 16, or 256 for a flattened 16x16 tile) under ``global_enc``.
@@ -244,12 +248,14 @@ def quantize_blocks(
     or None, x_hat fp32 [..., n])``. With ``four_six`` the block keeps the
     4-scale iff its ``four_six`` error is strictly below the 6-scale's.
     This is the primitive methods call (GPTQ per 16-column group).
+    ``values=False`` skips x_hat (returned as None) where only codes are
+    needed and no Four Over Six choice has to be made.
     """
     x = x.float()
     global_enc = global_enc.float()
     bmax = x.abs().amax(-1)
     scale6 = block_scale(bmax, global_enc, FP4_MAX)
-    codes6, x_hat6 = _round_with_scale(x, scale6, global_enc)
+    codes6, x_hat6 = _round_with_scale(x, scale6, global_enc, values or four_six is not None)
     if four_six is None:
         return codes6, scale6, None, x_hat6
     scale4 = block_scale(bmax, global_enc, 4.0)
@@ -342,7 +348,7 @@ def _quantize_1d(xf: torch.Tensor, global_enc: torch.Tensor, four_six: Optional[
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(kp, 1))
     codes, scales, chose = [], [], []
     for start in range(0, blocks.shape[0], rows_per_chunk):
-        c, s, f, _ = quantize_blocks(blocks[start : start + rows_per_chunk], global_enc, four_six)
+        c, s, f, _ = quantize_blocks(blocks[start : start + rows_per_chunk], global_enc, four_six, values=False)
         codes.append(c)
         scales.append(s)
         chose.append(f)
@@ -361,7 +367,7 @@ def _quantize_2d(xf: torch.Tensor, global_enc: torch.Tensor, four_six: Optional[
     # tiles: [..., r16, k16, 16 rows * 16 cols]
     tiles = xf.reshape(*lead, r16, BLOCK_SIZE, k16, BLOCK_SIZE).transpose(-3, -2)
     tiles = tiles.reshape(*lead, r16, k16, BLOCK_SIZE * BLOCK_SIZE)
-    codes, scale, chose, _ = quantize_blocks(tiles, global_enc, four_six)
+    codes, scale, chose, _ = quantize_blocks(tiles, global_enc, four_six, values=False)
 
     def untile(t: torch.Tensor) -> torch.Tensor:  # [..., r16, k16, 16, 16] -> [..., rows, kp]
         t = t.reshape(*lead, r16, k16, BLOCK_SIZE, BLOCK_SIZE).transpose(-3, -2)
