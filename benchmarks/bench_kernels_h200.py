@@ -84,10 +84,30 @@ def correctness(res, gm, qk):
     xa = torch.randn(16, 256, device=dev, generator=g)
     ref = xa @ w.dequantize(torch.float32).T
     for dt in (torch.bfloat16, torch.float16):
-        for path in ("gemv", "gemm"):
-            out[f"all_codes.{path}[{dt}]"] = _rel(gm.linear_w4a16(xa[:1 if path == 'gemv' else 16].to(dt), w,
-                                                                  path=path),
-                                                  ref[:1 if path == "gemv" else 16])
+        for path in ("gemv", "gemv4", "gemv5", "skinny", "gemm"):
+            for rows in ((1,) if path.startswith("gemv") else (1, 16)):
+                try:
+                    out[f"all_codes.{path}[{dt},M={rows}]"] = _rel(
+                        gm.linear_w4a16(xa[:rows].to(dt), w, path=path), ref[:rows])
+                except Exception as e:  # noqa: BLE001
+                    out[f"all_codes.{path}[{dt},M={rows}]"] = f"FAILED {e!r}"[:300]
+    # the same through W4A4 (x = v * scale in bf16) and with a bias, on an odd shape (partial tiles)
+    wq = nvfp4.quantize(torch.randn(1000, 2064, device=dev, generator=g) * 0.02)
+    xb = torch.randn(16, 2064, device=dev, generator=g)
+    bias = torch.randn(1000, device=dev, generator=g).bfloat16()
+    refb = xb @ wq.dequantize(torch.float32).T + bias.float()
+    for path in ("gemv4", "gemv5", "skinny"):
+        for rows in ((1, 2) if path.startswith("gemv") else (1, 7, 16)):
+            try:
+                out[f"odd_shape.{path}[M={rows}]"] = _rel(gm.linear_w4a16(xb[:rows].bfloat16(), wq, bias, path=path),
+                                                          refb[:rows])
+                amax = xb.abs().amax()
+                xh = nvfp4.quantize(xb[:rows], None, amax=amax).dequantize(torch.float32)
+                out[f"odd_shape.w4a4.{path}[M={rows}]"] = _rel(
+                    gm.linear_w4a4(xb[:rows].bfloat16(), wq, amax, bias, path=path),
+                    xh @ wq.dequantize(torch.float32).T + bias.float())
+            except Exception as e:  # noqa: BLE001
+                out[f"odd_shape.{path}[M={rows}]"] = f"FAILED {e!r}"[:300]
     saved = gm.BF16_DIRECT
     gm.BF16_DIRECT = True
     out["all_codes.gemm[bf16 direct decode]"] = _rel(gm.linear_w4a16(xa.bfloat16(), w, path="gemm"), ref)
@@ -133,28 +153,31 @@ def main_gpu():
     dev = "cuda"
     torch.manual_seed(0)
 
-    # ---- config sweeps where the targets are tight (M = 1 GEMV, M = 16 GEMM) ----
-    sweep_shapes = os.environ.get("SWEEP", "8B.gate_up,70B.gate_up,8B.o").split(",")
-    gemv_cfgs = [(bn, bw, nw) for bn in (4, 8, 16, 32) for bw in (64, 128, 256) for nw in (1, 2, 4)]
-    gemm16_cfgs = [(16, 64, 256, 1, 4, 4, 0), (16, 64, 256, 1, 4, 4, 1), (16, 128, 128, 1, 4, 4, 1),
-                   (16, 64, 128, 1, 4, 4, 1), (16, 128, 256, 1, 4, 3, 1), (16, 64, 256, 1, 4, 3, 1),
-                   (16, 256, 128, 1, 8, 3, 1), (16, 64, 512, 1, 4, 3, 1)]
-    gemm128_cfgs = [(128, 128, 64, 8, 8, 3, 0), (64, 128, 128, 8, 4, 3, 0), (64, 64, 128, 8, 4, 4, 0),
-                    (128, 256, 64, 8, 8, 3, 0), (128, 128, 128, 8, 8, 3, 0)]
-    orig_gemv, orig_gemm = gm._gemv_config, gm._gemm_config
+    # ---- config sweeps where the targets are tight (M = 1 GEMVs, M = 16 skinny GEMM) ----
+    # Each path's configs are timed on a narrow (N <= 8192) and a wide layer
+    # pair; the config with the best mean time relative to the best of its
+    # class is used for that class in the main table.
+    sweep_shapes = os.environ.get("SWEEP", "8B.o,8B.down,8B.gate_up,70B.gate_up").split(",")
+    gemv4_cfgs = [(8, 128, 4), (16, 128, 4), (16, 64, 2), (32, 128, 4), (8, 256, 8), (4, 128, 4), (32, 64, 4)]
+    gemv5_cfgs = gemv4_cfgs + [(16, 256, 8), (32, 256, 8)]
+    skinny1_cfgs = [(128, 32, 1, 4, 1), (128, 32, 4, 4, 1), (64, 32, 4, 4, 1), (128, 64, 2, 4, 1), (128, 32, 2, 4, 3),
+                    (256, 32, 1, 8, 1), (64, 64, 8, 2, 1)]
+    skinny16_cfgs = skinny1_cfgs + [(128, 32, 8, 4, 1), (256, 32, 2, 8, 1)]
+    getters = {"gemv4": "_gemv4_config", "gemv5": "_gemv5_config", "skinny": "_skinny_config",
+               "gemv": "_gemv_config", "gemm": "_gemm_config"}
+    orig = {g: getattr(gm, g) for g in set(getters.values())}
+    plan = [(1, "gemv4", gemv4_cfgs), (1, "gemv5", gemv5_cfgs), (1, "skinny", skinny1_cfgs),
+            (16, "skinny", skinny16_cfgs)]
     for name in sweep_shapes if sweep_shapes != [""] else []:
         n, k = SHAPES[name]
         wq = nvfp4.quantize(torch.randn(n, k, device=dev) * 0.02)
-        for m, cfgs, path in ((1, gemv_cfgs, "gemv"), (16, gemm16_cfgs, "gemm"), (128, gemm128_cfgs, "gemm")):
+        for m, path, cfgs in plan:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ wq.dequantize(torch.float32).T
             for cfg in cfgs:
-                if time.time() - t0 > budget * 0.45:
+                if time.time() - t0 > budget * 0.5:
                     break
-                if path == "gemv":
-                    gm._gemv_config = lambda *a, c=cfg: c
-                else:
-                    gm._gemm_config = lambda *a, c=cfg: c
+                setattr(gm, getters[path], lambda *a, c=cfg: c)
                 try:
                     err = _rel(gm.linear_w4a16(x, wq, path=path), ref)
                     ms = peers.bench(lambda: gm.linear_w4a16(x, wq, path=path))
@@ -165,37 +188,60 @@ def main_gpu():
                           flush=True)
                 except Exception as e:  # noqa: BLE001
                     res["sweeps"].append({"shape": name, "M": m, "path": path, "cfg": cfg, "error": repr(e)[:300]})
-            gm._gemv_config, gm._gemm_config = orig_gemv, orig_gemm
-            best = min((r for r in res["sweeps"] if r["shape"] == name and r["M"] == m and "ms" in r
-                        and r["rel_err"] < 1e-2), key=lambda r: r["ms"], default=None)
-            if best:
-                print(f"best {name} M={m}: {best['cfg']} {best['ms']*1e3:.1f}us", flush=True)
+                    print(f"sweep {name} M={m} {path} {cfg} FAILED {e!r}"[:400], flush=True)
+            setattr(gm, getters[path], orig[getters[path]])
         del wq
         save()
-    # use the best configs found (by shape class) for the main table
-    best_gemv = {}
-    for r in res["sweeps"]:
-        if "ms" in r and r["rel_err"] < 1e-2:
-            key = (r["M"], r["path"])
-            agg = best_gemv.setdefault(key, {})
-            agg.setdefault(tuple(r["cfg"]), []).append(r["ms"] / min(
-                q["ms"] for q in res["sweeps"] if q["shape"] == r["shape"] and q["M"] == r["M"] and "ms" in q))
-    chosen = {}
-    for key, agg in best_gemv.items():
-        cfg = min(agg, key=lambda c: sum(agg[c]) / len(agg[c]) if len(agg[c]) == max(map(len, agg.values())) else 9e9)
-        chosen[key] = cfg
-    res["chosen_configs"] = {f"M={k[0]},{k[1]}": list(v) for k, v in chosen.items()}
-    if (1, "gemv") in chosen:
-        gm._gemv_config = lambda *a, c=chosen[(1, "gemv")]: c
-    small = chosen.get((16, "gemm"))
-    mid = chosen.get((128, "gemm"))
-    gm._gemm_config = lambda m, n, k, s=small, md=mid, f=orig_gemm: (
-        s if m <= 16 and s else md if m > 16 and md else f(m, n, k))
+
+    def wide(name):
+        return SHAPES[name][0] >= 16384
+
+    chosen = {}  # (M, path, wide) -> cfg
+    for m, path, _ in plan:
+        for cls in (False, True):
+            rows_ = [r for r in res["sweeps"] if r["M"] == m and r["path"] == path and "ms" in r
+                     and r["rel_err"] < 1e-2 and wide(r["shape"]) == cls]
+            shapes_ = {r["shape"] for r in rows_}
+            best_of = {sh: min(r["ms"] for r in rows_ if r["shape"] == sh) for sh in shapes_}
+            agg = {}
+            for r in rows_:
+                agg.setdefault(tuple(r["cfg"]), []).append(r["ms"] / best_of[r["shape"]])
+            full = [c for c in agg if len(agg[c]) == len(shapes_)]
+            if full:
+                chosen[(m, path, cls)] = min(full, key=lambda c: sum(agg[c]))
+    res["chosen_configs"] = {f"M={m},{p},{'wide' if c else 'narrow'}": list(v) for (m, p, c), v in chosen.items()}
+
+    def by_class(m_key, path, fallback):
+        def cfg(m, n, k):
+            c = chosen.get((m_key, path, n >= 16384))
+            return c if c is not None else fallback(m, n, k)
+        return cfg
+
+    gm._gemv4_config = by_class(1, "gemv4", orig["_gemv4_config"])
+    gm._gemv5_config = by_class(1, "gemv5", orig["_gemv5_config"])
+    sk1, sk16 = by_class(1, "skinny", orig["_skinny_config"]), by_class(16, "skinny", orig["_skinny_config"])
+    gm._skinny_config = lambda m, n, k: sk1(m, n, k) if m <= 2 else sk16(m, n, k)
+    # the faster GEMV for M = 1 (mean time relative to the best per shape) becomes the dispatch's
+    mean = {}
+    for path in ("gemv4", "gemv5", "skinny"):
+        ts = [min(r["ms"] for r in res["sweeps"] if r["shape"] == sh and r["M"] == 1 and r["path"] == path
+                  and "ms" in r and r["rel_err"] < 1e-2) for sh in sweep_shapes
+              if any(r["shape"] == sh and r["M"] == 1 and r["path"] == path and "ms" in r and r["rel_err"] < 1e-2
+                     for r in res["sweeps"])]
+        if len(ts) == len(sweep_shapes) and ts:
+            mean[path] = sum(ts)
+    if mean:
+        gm.GEMV_PATH = min(mean, key=mean.get)
+        if gm.GEMV_PATH == "skinny":
+            gm.GEMV_MAX_M = 0
+    res["chosen_configs"]["GEMV_PATH"] = gm.GEMV_PATH
     print("chosen", res["chosen_configs"], flush=True)
+    save()
 
     # ---- quantize kernel tiles ----
+    phases = os.environ.get("PHASES", "quant").split(",")
     orig_tile = qk._tile
-    for m, k in ((8192, 4096), (8192, 14336)):
+    for m, k in ((8192, 4096), (8192, 14336)) if "quant" in phases else ():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         amax = x.float().abs().amax()
         for tile in ((8, 32, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (16, 64, 8), (64, 16, 8), (4, 64, 4),
@@ -226,6 +272,7 @@ def main_gpu():
     save()
 
     # ---- main table ----
+    table_ms = [int(v) for v in os.environ.get("TABLE_MS", ",".join(map(str, MS))).split(",")]
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         wq = nvfp4.quantize(w)
@@ -240,17 +287,19 @@ def main_gpu():
                 impls["gemlite_int4_g64"] = peers.make_gemlite_int4(w)
             except Exception as e:  # noqa: BLE001
                 res["rows"].append({"shape": name, "impl": "gemlite_int4_g64", "error": repr(e)[:300]})
-        for m in MS:
+        for m in table_ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             rows_chk = min(m, 64)  # error checked on the first rows (fp32 references are slow)
             ref = x[:rows_chk].float() @ wref.T
             amax = x.float().abs().amax() * 0.9  # a static activation amax (some saturation)
             ours = {"ours_w4a16": lambda x=x: gm.linear_w4a16(x, wq)}
-            if m <= 16:
-                ours["ours_w4a16_gemv"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemv")
-                ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
-            else:
-                ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
+            if m <= 2:
+                for p_ in ("gemv", "gemv4", "gemv5"):
+                    ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
+            if m <= 64:
+                ours["ours_w4a16_skinny"] = lambda x=x: gm.linear_w4a16(x, wq, path="skinny")
+            ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
+            if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
             if m >= 128:
@@ -302,7 +351,7 @@ def main_gpu():
         save()
 
     # ---- quantize kernel on activations ----
-    for m, k in QUANT_SHAPES:
+    for m, k in QUANT_SHAPES if "quant" in phases else ():
         if time.time() - t0 > budget + 40:
             break
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

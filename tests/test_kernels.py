@@ -149,6 +149,9 @@ def _rel(y, ref):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path,shapes", [
     ("gemv", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
+    ("gemv4", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
+    ("gemv5", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
+    ("skinny", [(1, 40, 80), (16, 65, 144), (5, 130, 528)]),  # the last splits K over 2 programs
     ("gemm", [(3, 70, 272), (17, 65, 144), (70, 130, 96)]),
     ("cublas", [(5, 33, 64)]),
 ])
@@ -180,7 +183,7 @@ def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
-@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemm", 19), ("cublas", 6)])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv5", 1), ("skinny", 9), ("gemm", 19), ("cublas", 6)])
 def test_w4a4_matches_reference(tk, four_six, path, m):
     _, gm = tk
     n, k = 36, 160
@@ -210,3 +213,35 @@ def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkey
         kernels.quantize(x, backend="triton")
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kernels.quantize(x, backend="cuda")
+
+
+@interpreted
+def test_gemv5_bf16_pairs_match_dequantized_matmul_on_all_codes(tk):
+    """Packed bf16x2 GEMV (emulated under the interpreter): every code incl.
+    0.5 (a bf16 subnormal in the decode) and subnormal E4M3 scales; its bf16
+    block sums stay within the 1e-2 tolerance."""
+    _, gm = tk
+    codes = torch.arange(16, dtype=torch.uint8).repeat(6, 4)  # [6, 64]
+    scales = torch.tensor([448.0, 1.0, 0.015625, 0.001953125, 0.005859375, 3.0]).unsqueeze(1).expand(6, 4)
+    w = nvfp4.NVFP4Tensor(nvfp4.pack_codes(codes), scales.to(torch.float8_e4m3fn).contiguous(),
+                          torch.tensor(7.5), torch.Size((6, 64)), torch.bfloat16)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = x.float() @ w.dequantize(torch.float32).T
+    for path in ("gemv4", "gemv5", "skinny"):
+        out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
+        err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
+        assert float(err.max()) < 1e-2, (path, err)
+
+
+@interpreted
+def test_small_m_dispatch_picks_gemv_then_skinny(tk, monkeypatch):
+    _, gm = tk
+    seen = []
+    for name in ("_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_skinny_kernel"):
+        kern = getattr(gm, name)
+        monkeypatch.setattr(gm, name, type("K", (), {"__getitem__": lambda self, grid, n=name, k=kern: (
+            seen.append(n) or k[grid])})())
+    wq = _weight(24, 64, seed=2)
+    for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
+        gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
+    assert seen == ["_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_skinny_kernel"]

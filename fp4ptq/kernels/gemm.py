@@ -118,7 +118,7 @@ def decode_tile(words, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: 
     sf = scale_fp32(sbits)  # scale * 2^-8
     if BF16_DIRECT:
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.bfloat16)
-        sf = (sf * 1.2980742146337069e33).to(tl.bfloat16)[:, :, None]  # scale * 2^100
+        sf = (sf * 3.2451855365842673e32).to(tl.bfloat16)[:, :, None]  # (scale * 2^-8) * 2^108 = scale * 2^100
     else:
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.float16)
         sf = (sf * 256.0).to(tl.float16)[:, :, None]  # scale
@@ -201,6 +201,229 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + n).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_blocks_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    # GEMV v4. Program: BLOCK_N weight rows x all K for one activation row,
+    # BLOCK_B blocks (16 codes = one int64, and its scale byte) a step. The
+    # tile is wide along K (warps split K, rows repeat in each thread's
+    # registers), so each thread has BLOCK_N 16-byte weight loads in flight
+    # and reuses every x value it loads for BLOCK_N rows.
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n = tl.where(n_ok, n, 0).to(tl.int64)
+    kb = K // 16
+    if ALIGNED:  # K % 256 == 0: rows start on 16-byte (codes) and 16-byte (scales) boundaries
+        kb = tl.multiple_of(kb, 16)
+    ab = tl.arange(0, BLOCK_B)
+    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    xrow = x_ptr + row * stride_xm
+    for b0 in range(0, kb, BLOCK_B):
+        bidx = b0 + ab
+        # (the scale index goes through a select so that the byte load does not
+        # pick the tile's layout: the 16-byte code loads should)
+        sidx = tl.where(bidx < kb, bidx, 0)
+        if EVEN_K:
+            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
+            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
+        else:
+            b_ok = bidx < kb
+            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
+            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
+            bidx = sidx  # x of a masked block is read in bounds, times code 0
+        part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+        for h in tl.static_range(2):  # the block's two words: codes 0..7, 8..15
+            w = (blk >> (32 * h)).to(tl.int32)
+            xs = xrow + bidx * 16 + 8 * h
+            for i in tl.static_range(4):
+                lo, hi = _halves(_pair(w, i, 9, FP16_MAG), tl.float16)  # codes i, i+4 as v * 2^-14
+                part += lo.to(tl.float32) * tl.load(xs + i).to(tl.float32)[None, :]
+                part += hi.to(tl.float32) * tl.load(xs + i + 4).to(tl.float32)[None, :]
+        acc += part * scale_fp32(sb)
+    y = tl.sum(acc, axis=1)  # [BN]
+    y = _output_scale(y, wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^14 (codes) * 2^8 (scales)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _bf16x2_fma(a, b, c, EMULATE: tl.constexpr):
+    """``a * b + c`` on int32 registers holding two bf16 each (one
+    ``fma.rn.bf16x2``: one rounding to bf16 per lane). ``EMULATE`` (the Triton
+    interpreter, which runs no PTX): the same in fp32, then rounded to bf16."""
+    if EMULATE:
+        lo = _bf16_lane(a, 0) * _bf16_lane(b, 0) + _bf16_lane(c, 0)
+        hi = _bf16_lane(a, 1) * _bf16_lane(b, 1) + _bf16_lane(c, 1)
+        return (_bf16_bits(lo) & 0xFFFF) | (_bf16_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_lane(r, LANE: tl.constexpr):
+    """fp32 value of the low (0) or high (1) bf16 of int32 ``r`` (exact)."""
+    if LANE == 0:
+        return (r << 16).to(tl.float32, bitcast=True)
+    else:
+        return (r & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 bit pattern (round half to even) in the low 16 bits of an int32."""
+    bits = v.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _gemv_bf16x2_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    # GEMV v5: v4's tiling with packed bf16x2 math. A word's codes i and i+4
+    # decode by bit moves into one register of two bf16 (v * 2^-126, exact:
+    # 0.5 is the bf16 subnormal 2^-127); x_i, x_i+4 are packed the same way as
+    # bf16(x * 2^64) (exact, no overflow below 2^64); one fma.rn.bf16x2 per two
+    # weights accumulates the block's 16 products (v * x * 2^-62, normal) in
+    # bf16 (8 a lane), then fp32 takes over: acc += (lane0 + lane1) * scale.
+    # The bf16 block sums round at ~2^-9 relative: < 1e-2 on the output.
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n = tl.where(n_ok, n, 0).to(tl.int64)
+    kb = K // 16
+    if ALIGNED:
+        kb = tl.multiple_of(kb, 16)
+    ab = tl.arange(0, BLOCK_B)
+    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    xrow = x_ptr + row * stride_xm
+    for b0 in range(0, kb, BLOCK_B):
+        bidx = b0 + ab
+        sidx = tl.where(bidx < kb, bidx, 0)  # see _gemv_blocks_kernel
+        if EVEN_K:
+            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
+            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
+        else:
+            b_ok = bidx < kb
+            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
+            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
+            bidx = sidx
+        part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.int32)  # two bf16 zeros
+        for h in tl.static_range(2):
+            w = (blk >> (32 * h)).to(tl.int32)
+            xs = xrow + bidx * 16 + 8 * h
+            for i in tl.static_range(4):
+                xl = _bf16_bits(tl.load(xs + i).to(tl.float32) * 18446744073709551616.0) & 0xFFFF
+                xh = _bf16_bits(tl.load(xs + i + 4).to(tl.float32) * 18446744073709551616.0) << 16
+                part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), (xl | xh)[None, :], part, EMULATE)
+        acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+    y = tl.sum(acc, axis=1)
+    # acc = sum v * x * scale * 2^-62 * 2^-8
+    y = _output_scale(y, wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --------------------------------------------------------------------------- #
+# Skinny GEMM (M <= 16): stream the weight once, tensor cores on permuted K
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # y^T [BN, BM] = sum over words w and code positions j of
+    #   W_j [BN, BW] (code j of word w, times its block scale) @ X_j [BW, BM] (x[m, 8w + j]).
+    # Splitting K by code position instead of interleaving the eight decoded
+    # codes back into K order keeps every step elementwise on the loaded words
+    # (no join/reshape): the decode runs in the MMA operand's register layout.
+    # fp16 operands, exact: W_j = v * scale * 2^-7 (6 significant bits, smallest
+    # 2^-22, largest 21), X_j = fp16(x * 2^-8) (x in bf16 range up to 1.6e7; an
+    # |x| below 2^-6 keeps its bits down to 2^-25 * 2^8). fp32 accumulation.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n_ld = tl.where(n_ok, n, 0).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    m_ld = tl.where(m_ok, m, 0).to(tl.int64)
+    kw = K // 8
+    kb = K // 16
+    if ALIGNED:  # K % 256 == 0: 16-byte aligned rows of codes and of scales
+        kw = tl.multiple_of(kw, 32)
+        kb = tl.multiple_of(kb, 16)
+    aw = tl.arange(0, BLOCK_W)
+    # this program's words: a multiple of BLOCK_W, the last split takes the rest
+    per = tl.cdiv(tl.cdiv(kw, BLOCK_W), SPLIT_K) * BLOCK_W
+    w_lo = pid_k * per
+    w_hi = tl.minimum(kw, w_lo + per)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    xrow = x_ptr + m_ld[None, :] * stride_xm
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        widx = w0 + aw
+        if EVEN_K:
+            words = tl.load(w_ptr + n_ld[:, None] * kw + widx[None, :])
+            sb = tl.load(s_ptr + n_ld[:, None] * kb + (widx // 2)[None, :])
+            xmask = m_ok[None, :]
+        else:
+            w_ok = widx < w_hi
+            words = tl.load(w_ptr + n_ld[:, None] * kw + widx[None, :], mask=w_ok[None, :], other=0)
+            sb = tl.load(s_ptr + n_ld[:, None] * kb + (widx // 2)[None, :], mask=w_ok[None, :], other=0)
+            xmask = m_ok[None, :] & w_ok[:, None]
+        # scale * 2^7 in fp16 (<= 57344): the E4M3 byte << 7 is fp16 scale * 2^-8
+        sf = (sb.to(tl.int16) << 7).to(tl.float16, bitcast=True) * 32768.0
+        xs = xrow + (widx * 8)[:, None]
+        for i in tl.static_range(4):
+            lo, hi = _halves(_pair(words, i, 9, FP16_MAG), tl.float16)  # v * 2^-14, codes i and i+4
+            x_lo = (tl.load(xs + i, mask=xmask, other=0.0).to(tl.float32) * 0.00390625).to(tl.float16)
+            x_hi = (tl.load(xs + i + 4, mask=xmask, other=0.0).to(tl.float32) * 0.00390625).to(tl.float16)
+            a_lo = lo * sf
+            a_hi = hi * sf
+            if DOT_FP32:  # Triton interpreter
+                acc = tl.dot(a_lo.to(tl.float32), x_lo.to(tl.float32), acc)
+                acc = tl.dot(a_hi.to(tl.float32), x_hi.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a_lo, x_lo, acc)
+                acc = tl.dot(a_hi, x_hi, acc)
+    # acc = sum v * scale * x * 2^-15 (2^-14 code placement, 2^7 scale, 2^-8 x)
+    y = tl.trans(_output_scale(acc, wenc_ptr, xenc_ptr, 32768.0, HAS_XENC))  # [BM, BN]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + n_ld).to(tl.float32)[None, :]
+        tl.store(y_ptr + m_ld[:, None] * stride_ym + n_ld[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:  # fp32 partial sums into a zeroed [M, N] workspace; _splitk_finish adds the bias and casts
+        tl.atomic_add(ws_ptr + m_ld[:, None] * N + n_ld[None, :], y, mask=out_mask, sem="relaxed")
+
+
+@triton.jit
+def _splitk_finish_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    y = tl.load(ws_ptr + row * N + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- #
@@ -327,9 +550,13 @@ def _weight_views(weight: NVFP4Tensor):
     return n, k, words, sbits, enc
 
 
-# Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV,
-# and the smallest M from which dequantize + cuBLAS beats the fused GEMM.
+# Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV
+# (and which GEMV: "gemv5" packed bf16x2 for bf16 activations, "gemv4" fp32
+# otherwise), the largest M for the skinny tensor-core GEMM, and the smallest
+# M from which dequantize + cuBLAS beats the fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
+GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv5")
+SKINNY_MAX_M = int(os.environ.get("FP4PTQ_SKINNY_MAX_M", 16))
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -345,6 +572,24 @@ def _gemm_config(m: int, n: int, k: int):
     if m <= 64:
         return 64, 64, 128, 8, 4, 4
     return 128, 128, 128, 8, 8, 3
+
+
+def _gemv4_config(m: int, n: int, k: int):
+    """(BLOCK_N, BLOCK_B, num_warps) of the v4/v5 GEMVs: rows per thread x blocks per step."""
+    block_b = min(128, triton.next_power_of_2(max(1, k // 16)))
+    return 16, block_b, 4
+
+
+def _gemv5_config(m: int, n: int, k: int):
+    """(BLOCK_N, BLOCK_B, num_warps) of the packed-bf16x2 GEMV."""
+    return _gemv4_config(m, n, k)
+
+
+def _skinny_config(m: int, n: int, k: int):
+    """(BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages) of the skinny tensor-core GEMM."""
+    block_w = min(32, triton.next_power_of_2(max(1, k // 8)))
+    split = 1 if n >= 16384 else 4
+    return 128, block_w, split, 4, 1
 
 
 def _gemv_config(m: int, n: int, k: int):
@@ -384,7 +629,12 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         x2 = x2.contiguous()
     if path is None:
         cublas_from = CUBLAS_MIN_M if x_enc is None else CUBLAS_MIN_M_W4A4
-        path = "gemv" if m <= GEMV_MAX_M else ("cublas" if m >= cublas_from else "gemm")
+        if m <= GEMV_MAX_M:
+            path = GEMV_PATH if x2.dtype == torch.bfloat16 or GEMV_PATH != "gemv5" else "gemv4"
+        elif m <= SKINNY_MAX_M:
+            path = "skinny"
+        else:
+            path = "cublas" if m >= cublas_from else "gemm"
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x2.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} tensor with unit last stride")
@@ -404,6 +654,34 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         torch.mm(x2, w.t(), out=y)
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
+    if path in ("gemv4", "gemv5"):
+        block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
+        kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
+        extra = {} if path == "gemv4" else {"EMULATE": INTERPRET}
+        kern[(triton.cdiv(n, block_n), m)](
+            x2, weight.packed.contiguous().view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,
+            x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
+            BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, num_warps=warps, **extra,
+        )
+        return y
+    if path == "skinny":
+        block_n, block_w, split, warps, stages = _skinny_config(m, n, k)
+        block_m = max(16, triton.next_power_of_2(m))
+        if block_m > 64:
+            raise ValueError(f"the skinny GEMM takes M <= 64, got {m}")
+        split = max(1, min(split, triton.cdiv(k // 8, block_w)))
+        ws = torch.zeros(m, n, dtype=torch.float32, device=y.device) if split > 1 else enc
+        _skinny_kernel[(triton.cdiv(n, block_n), split)](
+            x2, words, sbits, enc, xenc_arg, bias_arg, y, ws, m, n, k, x2.stride(0), y.stride(0),
+            HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+            SPLIT_K=split, EVEN_K=(k // 8) % (block_w * split) == 0, ALIGNED=k % 256 == 0,
+            DOT_FP32=INTERPRET, num_warps=warps, num_stages=stages,
+        )
+        if split > 1:
+            fin = 1024
+            _splitk_finish_kernel[(triton.cdiv(n, fin), m)](ws, bias_arg, y, m, n, y.stride(0), HAS_BIAS=has_bias,
+                                                           BLOCK=fin, num_warps=4)
+        return y
     if path == "gemv":
         block_n, block_w, warps = _gemv_config(m, n, k)
         grid = (triton.cdiv(n, block_n), m)
