@@ -40,6 +40,9 @@ from .nvfp4 import BLOCK_SIZE, NVFP4Error, NVFP4Tensor
 
 # Tokens the AWQ clipping search measures its per-block output error on.
 CLIP_TOKENS = 512
+# Calibration sequences are run through a block in batches of about this many
+# tokens (fewer, larger calls; the batch's activations stay small next to the block).
+TOKENS_PER_CALL = 8192
 
 
 class CalibrationError(ValueError):
@@ -121,7 +124,7 @@ class InputStats:
     abs_sum: Optional[torch.Tensor] = None      # [in] fp32 sum |x|
     tokens: int = 0
     hessian: Optional[torch.Tensor] = None      # [in, in] fp32 sum x x^T
-    samples: list = field(default_factory=list)  # inputs [1, T, in] of the first sequences
+    samples: list = field(default_factory=list)  # inputs [1, T, in] of the first keep_samples sequences
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
@@ -139,8 +142,10 @@ class InputStats:
         self.tokens += xf.shape[0]
         if self.hessian_wanted:
             self.hessian = hessian_update(self.hessian, xf)
-        if len(self.samples) < self.keep_samples:
-            self.samples.append(x.detach().clone())
+        for seq in x.detach().split(1):  # x: [batch, T, in] -> sequences [1, T, in]
+            if len(self.samples) >= self.keep_samples:
+                break
+            self.samples.append(seq.clone())
 
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / max(self.tokens, 1)
@@ -192,14 +197,25 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _batches(sequences: list) -> Iterator[tuple]:
+    """``(start, stop, batch)``: consecutive ``[1, T, d]`` sequences concatenated
+    to ``[b, T, d]`` with about TOKENS_PER_CALL tokens. The recorded call
+    arguments (rotary tables ``[1, T, hd]``, a ``[1, 1, T, T]`` mask or None)
+    broadcast over the batch."""
+    per_call = max(1, TOKENS_PER_CALL // max(1, sequences[0].shape[1])) if sequences else 1
+    for start in range(0, len(sequences), per_call):
+        chunk = sequences[start : start + per_call]
+        yield start, start + len(chunk), torch.cat(chunk) if len(chunk) > 1 else chunk[0]
+
+
 @torch.no_grad()
 def run_block(block: nn.Module, hidden: list, call: tuple, *, replace: bool) -> None:
     """Run ``block`` on every sequence (outputs replace ``hidden`` in place when ``replace``)."""
     args, kwargs = call
-    for i, h in enumerate(hidden):
-        out = _first(block(h, *args, **kwargs))
+    for start, stop, batch in _batches(hidden):
+        out = _first(block(batch, *args, **kwargs))
         if replace:
-            hidden[i] = out
+            hidden[start:stop] = list(out.split(1))
 
 
 # --------------------------------------------------------------------------- #
@@ -222,13 +238,14 @@ def smooth_group(
     def run(x):
         return _first(inspect(x, **kwargs) if group.inspect_kwargs else inspect(x))
 
-    reference = [run(x).float() for x in stats.samples]
+    batches = [batch for _, _, batch in _batches(stats.samples)]
+    reference = [run(x).float() for x in batches]
     count = sum(r.numel() for r in reference)
 
     def loss(s: torch.Tensor) -> float:
         act_amax = (stats.absmax / s).max() if config.scheme == "w4a4" else None
         with smoothing.simulated_quantized(linears, s, four_six=config.four_six, act_amax=act_amax):
-            return sum(float((run(x).float() - r).pow(2).sum()) for x, r in zip(stats.samples, reference)) / count
+            return sum(float((run(x).float() - r).pow(2).sum()) for x, r in zip(batches, reference)) / count
 
     identity = torch.ones_like(stats.absmax)
     if config.transform == "awq":
