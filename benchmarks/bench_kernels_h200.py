@@ -84,7 +84,7 @@ def correctness(res, gm, qk):
     xa = torch.randn(16, 256, device=dev, generator=g)
     ref = xa @ w.dequantize(torch.float32).T
     for dt in (torch.bfloat16, torch.float16):
-        for path in ("gemv", "gemv4", "gemv5", "skinny", "gemm"):
+        for path in ("gemv", "gemv4", "gemv5", "gemm"):
             for rows in ((1,) if path.startswith("gemv") else (1, 16)):
                 try:
                     out[f"all_codes.{path}[{dt},M={rows}]"] = _rel(
@@ -96,21 +96,22 @@ def correctness(res, gm, qk):
     xb = torch.randn(16, 2064, device=dev, generator=g)
     bias = torch.randn(1000, device=dev, generator=g).bfloat16()
     refb = xb @ wq.dequantize(torch.float32).T + bias.float()
-    for path in ("gemv4", "gemv5", "skinny"):
-        for rows in ((1, 2) if path.startswith("gemv") else (1, 7, 16)):
+    for path in ("gemv4", "gemv5", "gemm"):
+        for rows in ((1, 2) if path.startswith("gemv") else (7, 16)):
             try:
                 out[f"odd_shape.{path}[M={rows}]"] = _rel(gm.linear_w4a16(xb[:rows].bfloat16(), wq, bias, path=path),
                                                           refb[:rows])
                 amax = xb.abs().amax()
-                xh = nvfp4.quantize(xb[:rows], None, amax=amax).dequantize(torch.float32)
+                xh = nvfp4.quantize(xb[:rows].bfloat16(), None, amax=amax).dequantize(torch.float32)
                 out[f"odd_shape.w4a4.{path}[M={rows}]"] = _rel(
                     gm.linear_w4a4(xb[:rows].bfloat16(), wq, amax, bias, path=path),
                     xh @ wq.dequantize(torch.float32).T + bias.float())
             except Exception as e:  # noqa: BLE001
                 out[f"odd_shape.{path}[M={rows}]"] = f"FAILED {e!r}"[:300]
     saved = gm.BF16_DIRECT
-    gm.BF16_DIRECT = True
-    out["all_codes.gemm[bf16 direct decode]"] = _rel(gm.linear_w4a16(xa.bfloat16(), w, path="gemm"), ref)
+    for direct in (False, True):
+        gm.BF16_DIRECT = direct
+        out[f"all_codes.gemm[bf16, BF16_DIRECT={direct}]"] = _rel(gm.linear_w4a16(xa.bfloat16(), w, path="gemm"), ref)
     gm.BF16_DIRECT = saved
     res["correctness"] = out
     print(json.dumps(out, indent=1), flush=True)
@@ -158,16 +159,17 @@ def main_gpu():
     # pair; the config with the best mean time relative to the best of its
     # class is used for that class in the main table.
     sweep_shapes = os.environ.get("SWEEP", "8B.o,8B.down,8B.gate_up,70B.gate_up").split(",")
-    gemv4_cfgs = [(8, 128, 4), (16, 128, 4), (16, 64, 2), (32, 128, 4), (8, 256, 8), (4, 128, 4), (32, 64, 4)]
-    gemv5_cfgs = gemv4_cfgs + [(16, 256, 8), (32, 256, 8)]
-    skinny1_cfgs = [(128, 32, 1, 4, 1), (128, 32, 4, 4, 1), (64, 32, 4, 4, 1), (128, 64, 2, 4, 1), (128, 32, 2, 4, 3),
-                    (256, 32, 1, 8, 1), (64, 64, 8, 2, 1)]
-    skinny16_cfgs = skinny1_cfgs + [(128, 32, 8, 4, 1), (256, 32, 2, 8, 1)]
-    getters = {"gemv4": "_gemv4_config", "gemv5": "_gemv5_config", "skinny": "_skinny_config",
-               "gemv": "_gemv_config", "gemm": "_gemm_config"}
+    # GEMV configs: (BLOCK_N, BLOCK_B, num_warps, PREFETCH)
+    gemv4_cfgs = [(8, 128, 4, 1), (16, 64, 2, 1), (8, 64, 2, 1)]
+    gemv5_cfgs = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 64, 2, 1), (8, 64, 2, 1), (8, 256, 8, 1), (4, 128, 4, 1),
+                  (16, 64, 2, 0), (8, 128, 4, 0)]
+    # tiled GEMM at M = 16: (BM, BN, BK, GROUP_M, warps, stages, SWAP_AB, BF16_DIRECT)
+    gemm16_cfgs = [(16, 64, 256, 1, 4, 4, 0, 0), (16, 64, 256, 1, 4, 4, 0, 1), (16, 64, 128, 1, 4, 4, 0, 1),
+                   (16, 128, 128, 1, 4, 3, 0, 1), (16, 64, 256, 1, 4, 3, 0, 1), (16, 32, 256, 1, 2, 4, 0, 1)]
+    getters = {"gemv4": "_gemv4_config", "gemv5": "_gemv5_config", "gemv": "_gemv_config", "gemm": "_gemm_config"}
     orig = {g: getattr(gm, g) for g in set(getters.values())}
-    plan = [(1, "gemv4", gemv4_cfgs), (1, "gemv5", gemv5_cfgs), (1, "skinny", skinny1_cfgs),
-            (16, "skinny", skinny16_cfgs)]
+    orig_direct = gm.BF16_DIRECT
+    plan = [(1, "gemv4", gemv4_cfgs), (1, "gemv5", gemv5_cfgs), (16, "gemm", gemm16_cfgs)]
     for name in sweep_shapes if sweep_shapes != [""] else []:
         n, k = SHAPES[name]
         wq = nvfp4.quantize(torch.randn(n, k, device=dev) * 0.02)
@@ -177,7 +179,9 @@ def main_gpu():
             for cfg in cfgs:
                 if time.time() - t0 > budget * 0.5:
                     break
-                setattr(gm, getters[path], lambda *a, c=cfg: c)
+                if path == "gemm":
+                    gm.BF16_DIRECT = bool(cfg[7])
+                setattr(gm, getters[path], lambda *a, c=cfg: c[:7] if path == "gemm" else c)
                 try:
                     err = _rel(gm.linear_w4a16(x, wq, path=path), ref)
                     ms = peers.bench(lambda: gm.linear_w4a16(x, wq, path=path))
@@ -190,6 +194,7 @@ def main_gpu():
                     res["sweeps"].append({"shape": name, "M": m, "path": path, "cfg": cfg, "error": repr(e)[:300]})
                     print(f"sweep {name} M={m} {path} {cfg} FAILED {e!r}"[:400], flush=True)
             setattr(gm, getters[path], orig[getters[path]])
+            gm.BF16_DIRECT = orig_direct
         del wq
         save()
 
@@ -219,11 +224,16 @@ def main_gpu():
 
     gm._gemv4_config = by_class(1, "gemv4", orig["_gemv4_config"])
     gm._gemv5_config = by_class(1, "gemv5", orig["_gemv5_config"])
-    sk1, sk16 = by_class(1, "skinny", orig["_skinny_config"]), by_class(16, "skinny", orig["_skinny_config"])
-    gm._skinny_config = lambda m, n, k: sk1(m, n, k) if m <= 2 else sk16(m, n, k)
+    g16 = {cls: chosen.get((16, "gemm", cls)) for cls in (False, True)}
+    if g16[False] or g16[True]:
+        gm._gemm_config = lambda m, n, k, f=orig["_gemm_config"]: (
+            g16[n >= 16384][:7] if m <= 16 and g16[n >= 16384] else f(m, n, k))
+        # BF16_DIRECT is one switch for the tiled GEMM: on if the chosen M = 16 configs use it
+        gm.BF16_DIRECT = all(bool(c[7]) for c in g16.values() if c)
+    res["chosen_configs"]["BF16_DIRECT"] = gm.BF16_DIRECT
     # the faster GEMV for M = 1 (mean time relative to the best per shape) becomes the dispatch's
     mean = {}
-    for path in ("gemv4", "gemv5", "skinny"):
+    for path in ("gemv4", "gemv5"):
         ts = [min(r["ms"] for r in res["sweeps"] if r["shape"] == sh and r["M"] == 1 and r["path"] == path
                   and "ms" in r and r["rel_err"] < 1e-2) for sh in sweep_shapes
               if any(r["shape"] == sh and r["M"] == 1 and r["path"] == path and "ms" in r and r["rel_err"] < 1e-2
@@ -232,8 +242,6 @@ def main_gpu():
             mean[path] = sum(ts)
     if mean:
         gm.GEMV_PATH = min(mean, key=mean.get)
-        if gm.GEMV_PATH == "skinny":
-            gm.GEMV_MAX_M = 0
     res["chosen_configs"]["GEMV_PATH"] = gm.GEMV_PATH
     print("chosen", res["chosen_configs"], flush=True)
     save()
@@ -296,8 +304,6 @@ def main_gpu():
             if m <= 2:
                 for p_ in ("gemv", "gemv4", "gemv5"):
                     ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
-            if m <= 64:
-                ours["ours_w4a16_skinny"] = lambda x=x: gm.linear_w4a16(x, wq, path="skinny")
             ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")

@@ -151,7 +151,6 @@ def _rel(y, ref):
     ("gemv", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
     ("gemv4", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
     ("gemv5", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
-    ("skinny", [(1, 40, 80), (16, 65, 144), (5, 130, 528)]),  # the last splits K over 2 programs
     ("gemm", [(3, 70, 272), (17, 65, 144), (70, 130, 96)]),
     ("cublas", [(5, 33, 64)]),
 ])
@@ -183,7 +182,7 @@ def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
-@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv5", 1), ("skinny", 9), ("gemm", 19), ("cublas", 6)])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv4", 2), ("gemv5", 1), ("gemm", 19), ("cublas", 6)])
 def test_w4a4_matches_reference(tk, four_six, path, m):
     _, gm = tk
     n, k = 36, 160
@@ -227,21 +226,22 @@ def test_gemv5_bf16_pairs_match_dequantized_matmul_on_all_codes(tk):
                           torch.tensor(7.5), torch.Size((6, 64)), torch.bfloat16)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ w.dequantize(torch.float32).T
-    for path in ("gemv4", "gemv5", "skinny"):
+    for path in ("gemv4", "gemv5"):
         out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
         err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
         assert float(err.max()) < 1e-2, (path, err)
 
 
 @interpreted
-def test_small_m_dispatch_picks_gemv_then_skinny(tk, monkeypatch):
+def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
+    """M <= GEMV_MAX_M: packed bf16x2 GEMV for bf16 activations, the fp32 one for fp16."""
     _, gm = tk
     seen = []
-    for name in ("_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_skinny_kernel"):
+    for name in ("_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_gemm_kernel"):
         kern = getattr(gm, name)
         monkeypatch.setattr(gm, name, type("K", (), {"__getitem__": lambda self, grid, n=name, k=kern: (
             seen.append(n) or k[grid])})())
     wq = _weight(24, 64, seed=2)
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
-    assert seen == ["_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_skinny_kernel"]
+    assert seen == ["_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_gemm_kernel"]

@@ -204,11 +204,30 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K: tl.constexpr):
+    """Blocks ``b0 + ab`` of rows ``n``: int64 codes (16 each) and scale bytes,
+    zeros past K. The scale index goes through a select so that the byte load
+    does not pick the tile's layout (the 16-byte code loads should)."""
+    bidx = b0 + ab
+    sidx = tl.where(bidx < kb, bidx, 0)
+    if EVEN_K:  # whole steps: only a prefetch past the last one is masked (one scalar predicate)
+        ok = (b0 + tl.zeros_like(ab) < kb)[None, :]  # uniform
+        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=ok, other=0)
+        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=ok, other=0)
+    else:
+        b_ok = bidx < kb
+        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
+        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
+    return blk, sb
+
+
+@triton.jit
 def _gemv_blocks_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # GEMV v4. Program: BLOCK_N weight rows x all K for one activation row,
     # BLOCK_B blocks (16 codes = one int64, and its scale byte) a step. The
@@ -226,19 +245,14 @@ def _gemv_blocks_kernel(
     ab = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xrow = x_ptr + row * stride_xm
+    if PREFETCH:
+        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)
     for b0 in range(0, kb, BLOCK_B):
-        bidx = b0 + ab
-        # (the scale index goes through a select so that the byte load does not
-        # pick the tile's layout: the 16-byte code loads should)
-        sidx = tl.where(bidx < kb, bidx, 0)
-        if EVEN_K:
-            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
-            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
+        if PREFETCH:  # issue the next step's loads before this step's math (registers, double buffered)
+            blk_next, sb_next = _load_blocks(w_ptr, s_ptr, n, kb, b0 + BLOCK_B, ab, EVEN_K)
         else:
-            b_ok = bidx < kb
-            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
-            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
-            bidx = sidx  # x of a masked block is read in bounds, times code 0
+            blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
+        bidx = tl.where(b0 + ab < kb, b0 + ab, 0)  # x of a masked block is read in bounds, times code 0
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         for h in tl.static_range(2):  # the block's two words: codes 0..7, 8..15
             w = (blk >> (32 * h)).to(tl.int32)
@@ -248,6 +262,8 @@ def _gemv_blocks_kernel(
                 part += lo.to(tl.float32) * tl.load(xs + i).to(tl.float32)[None, :]
                 part += hi.to(tl.float32) * tl.load(xs + i + 4).to(tl.float32)[None, :]
         acc += part * scale_fp32(sb)
+        if PREFETCH:
+            blk, sb = blk_next, sb_next
     y = tl.sum(acc, axis=1)  # [BN]
     y = _output_scale(y, wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^14 (codes) * 2^8 (scales)
     if HAS_BIAS:
@@ -291,7 +307,7 @@ def _gemv_bf16x2_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
-    EMULATE: tl.constexpr,
+    PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
 ):
     # GEMV v5: v4's tiling with packed bf16x2 math. A word's codes i and i+4
     # decode by bit moves into one register of two bf16 (v * 2^-126, exact:
@@ -311,17 +327,14 @@ def _gemv_bf16x2_kernel(
     ab = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xrow = x_ptr + row * stride_xm
+    if PREFETCH:
+        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)
     for b0 in range(0, kb, BLOCK_B):
-        bidx = b0 + ab
-        sidx = tl.where(bidx < kb, bidx, 0)  # see _gemv_blocks_kernel
-        if EVEN_K:
-            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
-            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
+        if PREFETCH:  # issue the next step's loads before this step's math (registers, double buffered)
+            blk_next, sb_next = _load_blocks(w_ptr, s_ptr, n, kb, b0 + BLOCK_B, ab, EVEN_K)
         else:
-            b_ok = bidx < kb
-            blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
-            sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
-            bidx = sidx
+            blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
+        bidx = tl.where(b0 + ab < kb, b0 + ab, 0)  # x of a masked block is read in bounds, times code 0
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.int32)  # two bf16 zeros
         for h in tl.static_range(2):
             w = (blk >> (32 * h)).to(tl.int32)
@@ -331,99 +344,14 @@ def _gemv_bf16x2_kernel(
                 xh = _bf16_bits(tl.load(xs + i + 4).to(tl.float32) * 18446744073709551616.0) << 16
                 part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), (xl | xh)[None, :], part, EMULATE)
         acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+        if PREFETCH:
+            blk, sb = blk_next, sb_next
     y = tl.sum(acc, axis=1)
     # acc = sum v * x * scale * 2^-62 * 2^-8
     y = _output_scale(y, wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
     if HAS_BIAS:
         y += tl.load(bias_ptr + n).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-# --------------------------------------------------------------------------- #
-# Skinny GEMM (M <= 16): stream the weight once, tensor cores on permuted K
-# --------------------------------------------------------------------------- #
-@triton.jit
-def _skinny_kernel(
-    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, ws_ptr,
-    M, N, K, stride_xm, stride_ym,
-    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    # y^T [BN, BM] = sum over words w and code positions j of
-    #   W_j [BN, BW] (code j of word w, times its block scale) @ X_j [BW, BM] (x[m, 8w + j]).
-    # Splitting K by code position instead of interleaving the eight decoded
-    # codes back into K order keeps every step elementwise on the loaded words
-    # (no join/reshape): the decode runs in the MMA operand's register layout.
-    # fp16 operands, exact: W_j = v * scale * 2^-7 (6 significant bits, smallest
-    # 2^-22, largest 21), X_j = fp16(x * 2^-8) (x in bf16 range up to 1.6e7; an
-    # |x| below 2^-6 keeps its bits down to 2^-25 * 2^8). fp32 accumulation.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    n_ld = tl.where(n_ok, n, 0).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    m_ld = tl.where(m_ok, m, 0).to(tl.int64)
-    kw = K // 8
-    kb = K // 16
-    if ALIGNED:  # K % 256 == 0: 16-byte aligned rows of codes and of scales
-        kw = tl.multiple_of(kw, 32)
-        kb = tl.multiple_of(kb, 16)
-    aw = tl.arange(0, BLOCK_W)
-    # this program's words: a multiple of BLOCK_W, the last split takes the rest
-    per = tl.cdiv(tl.cdiv(kw, BLOCK_W), SPLIT_K) * BLOCK_W
-    w_lo = pid_k * per
-    w_hi = tl.minimum(kw, w_lo + per)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    xrow = x_ptr + m_ld[None, :] * stride_xm
-    for w0 in range(w_lo, w_hi, BLOCK_W):
-        widx = w0 + aw
-        if EVEN_K:
-            words = tl.load(w_ptr + n_ld[:, None] * kw + widx[None, :])
-            sb = tl.load(s_ptr + n_ld[:, None] * kb + (widx // 2)[None, :])
-            xmask = m_ok[None, :]
-        else:
-            w_ok = widx < w_hi
-            words = tl.load(w_ptr + n_ld[:, None] * kw + widx[None, :], mask=w_ok[None, :], other=0)
-            sb = tl.load(s_ptr + n_ld[:, None] * kb + (widx // 2)[None, :], mask=w_ok[None, :], other=0)
-            xmask = m_ok[None, :] & w_ok[:, None]
-        # scale * 2^7 in fp16 (<= 57344): the E4M3 byte << 7 is fp16 scale * 2^-8
-        sf = (sb.to(tl.int16) << 7).to(tl.float16, bitcast=True) * 32768.0
-        xs = xrow + (widx * 8)[:, None]
-        for i in tl.static_range(4):
-            lo, hi = _halves(_pair(words, i, 9, FP16_MAG), tl.float16)  # v * 2^-14, codes i and i+4
-            x_lo = (tl.load(xs + i, mask=xmask, other=0.0).to(tl.float32) * 0.00390625).to(tl.float16)
-            x_hi = (tl.load(xs + i + 4, mask=xmask, other=0.0).to(tl.float32) * 0.00390625).to(tl.float16)
-            a_lo = lo * sf
-            a_hi = hi * sf
-            if DOT_FP32:  # Triton interpreter
-                acc = tl.dot(a_lo.to(tl.float32), x_lo.to(tl.float32), acc)
-                acc = tl.dot(a_hi.to(tl.float32), x_hi.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a_lo, x_lo, acc)
-                acc = tl.dot(a_hi, x_hi, acc)
-    # acc = sum v * scale * x * 2^-15 (2^-14 code placement, 2^7 scale, 2^-8 x)
-    y = tl.trans(_output_scale(acc, wenc_ptr, xenc_ptr, 32768.0, HAS_XENC))  # [BM, BN]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + n_ld).to(tl.float32)[None, :]
-        tl.store(y_ptr + m_ld[:, None] * stride_ym + n_ld[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:  # fp32 partial sums into a zeroed [M, N] workspace; _splitk_finish adds the bias and casts
-        tl.atomic_add(ws_ptr + m_ld[:, None] * N + n_ld[None, :], y, mask=out_mask, sem="relaxed")
-
-
-@triton.jit
-def _splitk_finish_kernel(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
-    y = tl.load(ws_ptr + row * N + n, mask=ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- #
@@ -552,11 +480,10 @@ def _weight_views(weight: NVFP4Tensor):
 
 # Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV
 # (and which GEMV: "gemv5" packed bf16x2 for bf16 activations, "gemv4" fp32
-# otherwise), the largest M for the skinny tensor-core GEMM, and the smallest
-# M from which dequantize + cuBLAS beats the fused GEMM.
+# otherwise), and the smallest M from which dequantize + cuBLAS beats the
+# fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
 GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv5")
-SKINNY_MAX_M = int(os.environ.get("FP4PTQ_SKINNY_MAX_M", 16))
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -575,21 +502,14 @@ def _gemm_config(m: int, n: int, k: int):
 
 
 def _gemv4_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps) of the v4/v5 GEMVs: rows per thread x blocks per step."""
+    """(BLOCK_N, BLOCK_B, num_warps, PREFETCH) of the v4 GEMV: rows per thread x blocks per step."""
     block_b = min(128, triton.next_power_of_2(max(1, k // 16)))
-    return 16, block_b, 4
+    return 8, block_b, 4, True
 
 
 def _gemv5_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps) of the packed-bf16x2 GEMV."""
+    """(BLOCK_N, BLOCK_B, num_warps, PREFETCH) of the packed-bf16x2 GEMV."""
     return _gemv4_config(m, n, k)
-
-
-def _skinny_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages) of the skinny tensor-core GEMM."""
-    block_w = min(32, triton.next_power_of_2(max(1, k // 8)))
-    split = 1 if n >= 16384 else 4
-    return 128, block_w, split, 4, 1
 
 
 def _gemv_config(m: int, n: int, k: int):
@@ -631,8 +551,6 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         cublas_from = CUBLAS_MIN_M if x_enc is None else CUBLAS_MIN_M_W4A4
         if m <= GEMV_MAX_M:
             path = GEMV_PATH if x2.dtype == torch.bfloat16 or GEMV_PATH != "gemv5" else "gemv4"
-        elif m <= SKINNY_MAX_M:
-            path = "skinny"
         else:
             path = "cublas" if m >= cublas_from else "gemm"
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
@@ -655,32 +573,15 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
     if path in ("gemv4", "gemv5"):
-        block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
+        block_n, block_b, warps, prefetch = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
         extra = {} if path == "gemv4" else {"EMULATE": INTERPRET}
         kern[(triton.cdiv(n, block_n), m)](
             x2, weight.packed.contiguous().view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,
             x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
-            BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, num_warps=warps, **extra,
+            BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, PREFETCH=prefetch,
+            num_warps=warps, **extra,
         )
-        return y
-    if path == "skinny":
-        block_n, block_w, split, warps, stages = _skinny_config(m, n, k)
-        block_m = max(16, triton.next_power_of_2(m))
-        if block_m > 64:
-            raise ValueError(f"the skinny GEMM takes M <= 64, got {m}")
-        split = max(1, min(split, triton.cdiv(k // 8, block_w)))
-        ws = torch.zeros(m, n, dtype=torch.float32, device=y.device) if split > 1 else enc
-        _skinny_kernel[(triton.cdiv(n, block_n), split)](
-            x2, words, sbits, enc, xenc_arg, bias_arg, y, ws, m, n, k, x2.stride(0), y.stride(0),
-            HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
-            SPLIT_K=split, EVEN_K=(k // 8) % (block_w * split) == 0, ALIGNED=k % 256 == 0,
-            DOT_FP32=INTERPRET, num_warps=warps, num_stages=stages,
-        )
-        if split > 1:
-            fin = 1024
-            _splitk_finish_kernel[(triton.cdiv(n, fin), m)](ws, bias_arg, y, m, n, y.stride(0), HAS_BIAS=has_bias,
-                                                           BLOCK=fin, num_warps=4)
         return y
     if path == "gemv":
         block_n, block_w, warps = _gemv_config(m, n, k)
