@@ -1,10 +1,17 @@
 """Triton NVFP4 GEMMs for Hopper: W4A16 (GEMV for tiny M, tiled ``tl.dot`` GEMM,
 dequantize + cuBLAS for prefill) and W4A4 (activations quantized on the fly).
 
+Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
+dtype, see the shape rules below): ``gemv5`` packed bf16x2 GEMV (M <= 2, bf16
+activations), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv`` the first GEMV
+(kept for comparison), ``gemm`` tiled GEMM (M <= 63), ``cublas`` dequantize +
+cuBLAS (M >= 64). Timings: benchmarks/results/kernels_h200.md.
+
 Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
-as int32 words of 8 codes; ``weight_scale [N, K/16]`` e4m3): the words are
-already contiguous along K, so a thread's 16-byte load covers 32 codes (2
-blocks) and a warp's loads are coalesced. No re-layout, no cache.
+as int32 words of 8 codes or int64 blocks of 16; ``weight_scale [N, K/16]``
+e4m3): the codes are already contiguous along K, so a thread's 16-byte load
+covers 32 codes (2 blocks) and a warp's loads are coalesced. No re-layout, no
+cache.
 
 Decoding a word by bit moves (no lookup table)
 ----------------------------------------------
@@ -28,6 +35,9 @@ fp16, so the tiled GEMM multiplies exactly-decoded weights (the global
 ``1/global_enc`` is applied once to the fp32 accumulator). W4A4 feeds the
 same GEMMs with ``v_x * scale_x`` activations from the quantize kernel (exact
 too), so every product is an exact NVFP4 x NVFP4 product, accumulated in fp32.
+The exception is ``gemv5``: it sums each block's 16 products in bf16 (packed
+``fma.rn.bf16x2``; ~2^-9 relative per block sum, ~4e-3 on the outputs measured)
+before fp32 takes over; under the Triton interpreter that FMA is emulated.
 """
 from __future__ import annotations
 
@@ -210,10 +220,9 @@ def _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K: tl.constexpr):
     does not pick the tile's layout (the 16-byte code loads should)."""
     bidx = b0 + ab
     sidx = tl.where(bidx < kb, bidx, 0)
-    if EVEN_K:  # whole steps: only a prefetch past the last one is masked (one scalar predicate)
-        ok = (b0 + tl.zeros_like(ab) < kb)[None, :]  # uniform
-        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=ok, other=0)
-        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=ok, other=0)
+    if EVEN_K:
+        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
+        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
     else:
         b_ok = bidx < kb
         blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
@@ -227,7 +236,6 @@ def _gemv_blocks_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # GEMV v4. Program: BLOCK_N weight rows x all K for one activation row,
     # BLOCK_B blocks (16 codes = one int64, and its scale byte) a step. The
@@ -245,13 +253,8 @@ def _gemv_blocks_kernel(
     ab = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xrow = x_ptr + row * stride_xm
-    if PREFETCH:
-        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)
     for b0 in range(0, kb, BLOCK_B):
-        if PREFETCH:  # issue the next step's loads before this step's math (registers, double buffered)
-            blk_next, sb_next = _load_blocks(w_ptr, s_ptr, n, kb, b0 + BLOCK_B, ab, EVEN_K)
-        else:
-            blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
+        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
         bidx = tl.where(b0 + ab < kb, b0 + ab, 0)  # x of a masked block is read in bounds, times code 0
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         for h in tl.static_range(2):  # the block's two words: codes 0..7, 8..15
@@ -262,8 +265,6 @@ def _gemv_blocks_kernel(
                 part += lo.to(tl.float32) * tl.load(xs + i).to(tl.float32)[None, :]
                 part += hi.to(tl.float32) * tl.load(xs + i + 4).to(tl.float32)[None, :]
         acc += part * scale_fp32(sb)
-        if PREFETCH:
-            blk, sb = blk_next, sb_next
     y = tl.sum(acc, axis=1)  # [BN]
     y = _output_scale(y, wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^14 (codes) * 2^8 (scales)
     if HAS_BIAS:
@@ -307,7 +308,7 @@ def _gemv_bf16x2_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
-    PREFETCH: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     # GEMV v5: v4's tiling with packed bf16x2 math. A word's codes i and i+4
     # decode by bit moves into one register of two bf16 (v * 2^-126, exact:
@@ -327,13 +328,8 @@ def _gemv_bf16x2_kernel(
     ab = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xrow = x_ptr + row * stride_xm
-    if PREFETCH:
-        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)
     for b0 in range(0, kb, BLOCK_B):
-        if PREFETCH:  # issue the next step's loads before this step's math (registers, double buffered)
-            blk_next, sb_next = _load_blocks(w_ptr, s_ptr, n, kb, b0 + BLOCK_B, ab, EVEN_K)
-        else:
-            blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
+        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
         bidx = tl.where(b0 + ab < kb, b0 + ab, 0)  # x of a masked block is read in bounds, times code 0
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.int32)  # two bf16 zeros
         for h in tl.static_range(2):
@@ -344,8 +340,6 @@ def _gemv_bf16x2_kernel(
                 xh = _bf16_bits(tl.load(xs + i + 4).to(tl.float32) * 18446744073709551616.0) << 16
                 part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), (xl | xh)[None, :], part, EMULATE)
         acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
-        if PREFETCH:
-            blk, sb = blk_next, sb_next
     y = tl.sum(acc, axis=1)
     # acc = sum v * x * scale * 2^-62 * 2^-8
     y = _output_scale(y, wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
@@ -487,28 +481,31 @@ GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv5")
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
-# bf16 weights decoded straight into bf16 (see decode_tile); never under the interpreter.
-BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "0") == "1" and not INTERPRET
+# bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
+# subnormal scales checked in runs 3-4); never under the interpreter, which flushes bf16 subnormals.
+BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "1") == "1" and not INTERPRET
 
 
 def _gemm_config(m: int, n: int, k: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, SWAP_AB]) by
-    shape: the best of the H200 sweeps (benchmarks/results/kernels_h200.json)."""
+    shape: the best of the H200 sweeps (benchmarks/results/kernels_h200*.json; M <= 16
+    from run 4, with BF16_DIRECT)."""
     if m <= 16:
-        return 16, 64, 256, 1, 4, 4
+        return (16, 64, 128, 1, 4, 4) if n >= 16384 else (16, 32, 256, 1, 2, 4)
     if m <= 64:
         return 64, 64, 128, 8, 4, 4
     return 128, 128, 128, 8, 8, 3
 
 
 def _gemv4_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps, PREFETCH) of the v4 GEMV: rows per thread x blocks per step."""
-    block_b = min(128, triton.next_power_of_2(max(1, k // 16)))
-    return 8, block_b, 4, True
+    """(BLOCK_N, BLOCK_B, num_warps) of the v4/v5 GEMVs (rows x blocks of 16 a step):
+    H200 sweeps (runs 3 and 4), 8 x 128 x 4 warps for N < 16384, 16 x 64 x 2 above."""
+    block_n, block_b, warps = (16, 64, 2) if n >= 16384 else (8, 128, 4)
+    return block_n, min(block_b, triton.next_power_of_2(max(1, k // 16))), warps
 
 
 def _gemv5_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps, PREFETCH) of the packed-bf16x2 GEMV."""
+    """(BLOCK_N, BLOCK_B, num_warps) of the packed-bf16x2 GEMV: v4's (same sweep winners)."""
     return _gemv4_config(m, n, k)
 
 
@@ -573,14 +570,13 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
     if path in ("gemv4", "gemv5"):
-        block_n, block_b, warps, prefetch = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
+        block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
         extra = {} if path == "gemv4" else {"EMULATE": INTERPRET}
         kern[(triton.cdiv(n, block_n), m)](
             x2, weight.packed.contiguous().view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,
             x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
-            BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, PREFETCH=prefetch,
-            num_warps=warps, **extra,
+            BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, num_warps=warps, **extra,
         )
         return y
     if path == "gemv":
