@@ -394,8 +394,11 @@ def report(path):
              f"{res['bf16_TFLOPs_8192']:.0f} TFLOP/s (8192^3). Every time is the median of a replayed CUDA graph "
              "of 10 calls (us per call). `ours_w4a16` is what the dispatch picks for that M; `ours_w4a4` "
              "includes quantizing the activations (static amax).", ""]
+    if res.get("provenance"):
+        lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
-             "ours_w4a16_gemm", "ours_w4a16_cublas", "ours_w4a4", "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
+             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemm", "ours_w4a16_cublas", "ours_w4a4",
+             "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
     present = [i for i in impls if any(r["impl"] == i for r in rows)]
     lines += ["## Time per call (us); speedup over cuBLAS bf16 in brackets", "",
               "| shape (N x K) | M | " + " | ".join(present) + " |",
