@@ -245,3 +245,17 @@ def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
     assert seen == ["_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_gemm_kernel"]
+
+
+@interpreted
+def test_gemvs_take_packed_codes_at_an_unaligned_address(tk):
+    """A weight whose packed bytes start mid-word (a view into a larger buffer)."""
+    _, gm = tk
+    wq = _weight(12, 64, seed=4)
+    buf = torch.empty(wq.packed.numel() + 3, dtype=torch.uint8)
+    buf[3:] = wq.packed.reshape(-1)
+    shifted = nvfp4.NVFP4Tensor(buf[3:].view(12, 32), wq.block_scale, wq.global_enc, wq.shape, wq.dtype)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ref = x.float() @ wq.dequantize(torch.float32).T
+    for path in ("gemv4", "gemv5", "gemm"):
+        assert _rel(gm.linear_w4a16(x, shifted, path=path), ref) < 1e-2, path

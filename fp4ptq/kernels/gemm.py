@@ -466,6 +466,8 @@ def _weight_views(weight: NVFP4Tensor):
             f"{tuple(weight.shape)} (packed K {weight.padded_k})"
         )
     packed = weight.packed.contiguous()
+    if packed.data_ptr() % 16:  # e.g. a view into a loaded file: the word views need aligned storage
+        packed = packed.clone()
     words = packed.view(torch.int32)  # [N, K/8]: 8 codes a word, K order
     sbits = weight.block_scale.contiguous().view(torch.uint8)  # [N, K/16]
     enc = weight.global_enc.reshape(1).to(torch.float32)
@@ -574,7 +576,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
         extra = {} if path == "gemv4" else {"EMULATE": INTERPRET}
         kern[(triton.cdiv(n, block_n), m)](
-            x2, weight.packed.contiguous().view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,
+            x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,  # [N, K/16] blocks
             x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
             BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, num_warps=warps, **extra,
         )
