@@ -26,6 +26,7 @@ Conventions pinned here (kernels reproduce them bit for bit):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -40,6 +41,14 @@ BLOCK_SIZE = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FOUR_SIX_RULES = ("mse", "mae", "max")
 FourSixRule = Literal["mse", "mae", "max"]
+
+@functools.lru_cache(maxsize=64)
+def _constant(values: tuple, device: torch.device) -> torch.Tensor:
+    """A read-only fp32 constant on ``device``, made once: building it per call
+    would cost a host-to-device copy (a stall) per call on a GPU, e.g. per
+    column inside GPTQ's loop."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
 
 def _just_below(v: float) -> float:
     return torch.nextafter(torch.tensor(v), torch.tensor(0.0)).item()
@@ -71,7 +80,7 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     a = x.abs().float()
     # index = #(boundaries < a): ties at 0.25, 1.25, 2.5, 5 go down (a > b), ties at
     # 0.75, 1.75, 3.5 go up (a >= b, written as a > the fp32 value just below b).
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
+    bounds = _constant(_E2M1_BOUNDS, x.device)
     index = torch.bucketize(a, bounds, out_int32=True).to(torch.uint8)
     sign = torch.signbit(x).to(torch.uint8) << 3
     return sign | index
@@ -80,7 +89,7 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """Decode uint8 codes (low 4 bits) to fp32 values; 0x8 (-0) decodes to zero."""
     # One gather from the signed 16-entry table (entry 8 is -0.0).
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    table = _constant(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), codes.device)
     return table[(codes & 0xF).long()]
 
 
@@ -130,7 +139,7 @@ def block_scale(bmax: torch.Tensor, global_enc: torch.Tensor, target: float = FP
     (6 standard, 4 for the Four Over Six candidate): ``e4m3(bmax / target * global_enc)``."""
     # Divide by a tensor, not a Python number: CUDA torch turns ``t / 6.0`` into
     # ``t * fl(1/6)`` (the CPU divides), so the scales would depend on the device.
-    divisor = torch.tensor(target, dtype=torch.float32, device=bmax.device)
+    divisor = _constant((target,), bmax.device).reshape(())
     return e4m3_rne(bmax.float() / divisor * global_enc)
 
 
