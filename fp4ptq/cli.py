@@ -11,6 +11,7 @@ tests call it in-process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shlex
@@ -244,8 +245,12 @@ def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora) -> dict:
     _say(f"loading {spec or 'the demo model'} ...")
     started = time.perf_counter()
     model, tokenizer, entry = _load_model(spec, device, dtype)
+    from .eval import decoded_weight_cache
+
+    # On CPU (reference path) decode each packed weight once, not on every forward: same outputs.
     try:
-        entry["results"] = _evaluate(model, tokenizer, tasks, args, corpora)
+        with decoded_weight_cache(model) if device == "cpu" else contextlib.nullcontext():
+            entry["results"] = _evaluate(model, tokenizer, tasks, args, corpora)
     finally:
         del model
         gc.collect()

@@ -167,3 +167,24 @@ def test_missing_data_names_the_expected_file(tmp_path):
         ppl.load_corpus("wikitext", tmp_path / "nope")
     with pytest.raises(ValueError, match="unknown perplexity task"):
         ppl.load_corpus("ptb", tmp_path)
+
+
+def test_decoded_weight_cache_keeps_outputs_bit_identical(tiny):
+    import copy
+
+    import fp4ptq
+    from fp4ptq.eval import decoded_weight_cache
+    from fp4ptq.modules import NVFP4Linear
+
+    model, tok = tiny
+    ids = torch.randint(4, len(tok), (2, 24), generator=torch.Generator().manual_seed(0))
+    for scheme in ("w4a16", "w4a4"):
+        q = fp4ptq.quantize(copy.deepcopy(model), fp4ptq.QuantConfig(scheme=scheme, four_six="mse", nsamples=2,
+                                                                     seqlen=16), calib=ids[:, :16], progress=False)
+        with torch.no_grad():
+            plain = q(ids).logits
+            with decoded_weight_cache(q):
+                cached, again = q(ids).logits, q(ids).logits
+        assert torch.equal(plain, cached) and torch.equal(plain, again)
+        layers = [m for m in q.modules() if isinstance(m, NVFP4Linear)]
+        assert layers and all("quantized_weight" not in m.__dict__ for m in layers)  # restored on exit
