@@ -115,10 +115,3 @@ def test_errors_name_the_layer():
     with pytest.raises(NVFP4Error, match="layers.3.q_proj"):
         gptq(W, torch.eye(32), name="layers.3.q_proj")
 
-
-def test_column_decode_matches_the_format_decoder():
-    from fp4ptq.methods.gptq import _decode
-
-    codes = torch.arange(16, dtype=torch.uint8)
-    table = torch.tensor(nvfp4.E2M1_VALUES)
-    assert torch.equal(_decode(codes, table), nvfp4.e2m1_decode(codes))

@@ -1,0 +1,276 @@
+"""Accuracy of every method x scheme x Four Over Six rule on SmolLM2-135M-Instruct (CPU).
+
+WikiText-2 *test* token perplexity through ``fp4ptq.eval.perplexity`` (seqlen
+2048, non-overlapping windows, the first ``--windows`` of them); calibration on
+C4 *train* documents from the shared evaluation-data folder (a local directory
+source, never the test split). Both paths are read at run time.
+
+    python benchmarks/accuracy_smollm2.py --preset core      # FP, RTN/GPTQ/AWQ/SmoothQuant x schemes x {none, mse}
+    python benchmarks/accuracy_smollm2.py --preset rules     # then mae/max for RTN and GPTQ, GPTQ "once" 4/6
+    python benchmarks/accuracy_smollm2.py --configs gptq/w4a4/mse
+
+Resumable: configs already in the JSON (with the same settings) are skipped; the
+JSON, markdown table and PNG plot are rewritten (atomically) after each config.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fp4ptq
+from fp4ptq import QuantConfig
+from fp4ptq.calib import get_calibration
+from fp4ptq.eval.perplexity import load_corpus, perplexity
+from fp4ptq.eval.report import write_atomic
+from fp4ptq.sources import load_source_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+
+
+def _spec(method, scheme, rule, **extra):
+    name = f"{method}/{scheme}/{rule or 'none'}" + "".join(f"/{v}" for v in extra.values())
+    return name, dict(method=method, scheme=scheme, four_six=rule, **extra)
+
+
+PRESETS = {
+    # Priority order: everything W4A16 first (cheaper to evaluate on CPU), then W4A4.
+    "core": [("fp", None)] + [
+        _spec(method, scheme, rule)
+        for scheme, methods in (("w4a16", ("rtn", "gptq", "awq")), ("w4a4", ("rtn", "gptq", "awq", "smoothquant")))
+        for method in methods
+        for rule in (None, "mse")
+    ],
+    "rules": [_spec(m, s, r) for s in ("w4a16", "w4a4") for m in ("rtn", "gptq") for r in ("mae", "max")]
+    + [_spec("gptq", s, "mse", gptq_scale_choice="once") for s in ("w4a16", "w4a4")],
+    "combos": [_spec(m, "w4a4", r) for m in ("awq+gptq", "smoothquant+gptq") for r in (None, "mse")],
+}
+PRESETS["all"] = PRESETS["core"] + PRESETS["rules"] + PRESETS["combos"]
+ALL_SPECS = dict(PRESETS["all"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--configs", default="", help=f"comma list of names, e.g. {', '.join(list(ALL_SPECS)[:3])}")
+    parser.add_argument("--windows", type=int, default=10, help="WikiText-2 test windows of 2048 tokens (of 148)")
+    parser.add_argument("--nsamples", type=int, default=8, help="calibration sequences")
+    parser.add_argument("--calib-seqlen", type=int, default=2048)
+    parser.add_argument("--search-nsamples", type=int, default=2, help="sequences the AWQ/SmoothQuant searches use")
+    parser.add_argument("--awq-grid", type=int, default=10, help="AWQ exponent grid points in [0, 1)")
+    parser.add_argument("--data-dir", default=str(DEFAULT_DATA), help="shared evaluation data folder")
+    parser.add_argument("--out", default=str(RESULTS / "accuracy_smollm2"), help="output stem (.json/.md/.png)")
+    args = parser.parse_args(argv)
+
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if args.preset:
+        names = [n for n, _ in PRESETS[args.preset]] + names
+    unknown = [n for n in names if n not in ALL_SPECS]
+    if unknown or not names:
+        parser.error(f"give --preset or --configs from {list(ALL_SPECS)} (unknown: {unknown})")
+    data_dir = Path(args.data_dir)
+    calib_dir = data_dir / "c4" / "c4-train"
+    settings = {
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32: the full-precision baseline)",
+        "eval": "WikiText-2 test (raw), token perplexity, seqlen 2048, non-overlapping windows",
+        "windows": args.windows,
+        "calibration": f"C4 train documents ({calib_dir.name} directory), {args.nsamples} x {args.calib_seqlen} "
+                       "tokens, seed 0",
+        "nsamples": args.nsamples,
+        "calib_seqlen": args.calib_seqlen,
+        "search_nsamples": args.search_nsamples,
+        "awq_grid": args.awq_grid,
+        "dtype": "float32 (CPU)",
+    }
+    json_path = Path(args.out).with_suffix(".json")
+    report = {"benchmark": "accuracy_smollm2", "settings": settings, "commands": [], "results": {}}
+    if json_path.exists():
+        report = json.loads(json_path.read_text())
+        if report["settings"] != settings:
+            raise SystemExit(
+                f"{json_path} was made with other settings ({report['settings']}); use another --out "
+                "or the same options to resume"
+            )
+    report["commands"].append("python " + " ".join(["benchmarks/accuracy_smollm2.py", *sys.argv[1:]]))
+    todo = [n for n in names if n not in report["results"]]
+    print(f"{len(todo)} config(s) to run, {len(names) - len(todo)} already done", flush=True)
+    if not todo:
+        write_outputs(report, Path(args.out))
+        return 0
+
+    base, tokenizer, _ = load_source_model(None, dtype=torch.float32)
+    corpus = load_corpus("wikitext", data_dir)
+    calib = None
+    for name in todo:
+        started = time.perf_counter()
+        model, quant_s, info = base, 0.0, None
+        if ALL_SPECS[name] is not None:
+            if calib is None:
+                calib = get_calibration(str(calib_dir), tokenizer, args.nsamples, args.calib_seqlen, seed=0)
+            config = QuantConfig(**ALL_SPECS[name], search_nsamples=args.search_nsamples, awq_grid=args.awq_grid)
+            model = fp4ptq.quantize(copy.deepcopy(base), config, calib, progress=True)
+            quant_s = time.perf_counter() - started
+            info = model.fp4ptq_info
+        ppl = perplexity(model, tokenizer, corpus=corpus, seqlen=2048, max_windows=args.windows,
+                         word_perplexity=False, progress=True)
+        entry = {
+            "config": ALL_SPECS[name],
+            "token_perplexity": ppl["token_perplexity"],
+            "windows": ppl["windows"],
+            "tokens": ppl["tokens"],
+            "quantize_s": round(quant_s, 1),
+            "eval_s": ppl["seconds"],
+        }
+        if info is not None:
+            errors = [v["rel_error"] for v in info["layers"].values()]
+            shares = [v["four_share"] for v in info["layers"].values() if v["four_share"] is not None]
+            entry["mean_weight_rel_error"] = sum(errors) / len(errors)
+            entry["mean_four_share"] = sum(shares) / len(shares) if shares else None
+            entry["smoothing"] = _smoothing_summary(info["smoothing"])
+        report["results"][name] = entry
+        write_outputs(report, Path(args.out))
+        print(f"{name}: ppl {entry['token_perplexity']:.3f} (quantize {entry['quantize_s']} s)", flush=True)
+        del model
+    return 0
+
+
+def _smoothing_summary(smoothing: dict):
+    """Chosen AWQ ratios / SmoothQuant alphas (counts), or None."""
+    if not smoothing:
+        return None
+    counts = {}
+    for record in smoothing.values():
+        key = record.get("awq_ratio", record.get("smoothquant_alpha", "skipped" if "skipped" in record else None))
+        counts[str(key)] = counts.get(str(key), 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------- #
+# Outputs
+# --------------------------------------------------------------------------- #
+def write_outputs(report: dict, stem: Path) -> None:
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    write_atomic(stem.with_suffix(".md"), markdown(report))
+    plot(report, stem.with_suffix(".png"))
+
+
+def _order(report: dict) -> list:
+    return [n for n in ALL_SPECS if n in report["results"]]
+
+
+def _gap_closed(report: dict, name: str):
+    """Share of RTN's (same scheme, no 4/6) perplexity gap to FP that ``name`` closes."""
+    res = report["results"]
+    cfg = ALL_SPECS[name]
+    rtn = res.get(f"rtn/{cfg['scheme']}/none") if cfg else None
+    if not cfg or "fp" not in res or rtn is None:
+        return None
+    fp, base = res["fp"]["token_perplexity"], rtn["token_perplexity"]
+    if base <= fp:
+        return None
+    return (base - res[name]["token_perplexity"]) / (base - fp)
+
+
+def targets(report: dict) -> list:
+    """The issue's accuracy targets, checked on what has been measured."""
+    res = report["results"]
+    ppl = {n: r["token_perplexity"] for n, r in res.items()}
+    lines = []
+    for name in _order(report):
+        cfg = ALL_SPECS[name]
+        if not cfg or cfg["four_six"] is None or len(cfg) > 3:
+            continue
+        plain = f"{cfg['method']}/{cfg['scheme']}/none"
+        if plain in ppl:
+            ok = ppl[name] < ppl[plain]
+            lines.append(f"- {name} {ppl[name]:.3f} vs {plain} {ppl[plain]:.3f}: "
+                         f"{'beats it' if ok else 'does NOT beat it'}")
+    w4a4 = [n for n in _order(report) if ALL_SPECS[n] and ALL_SPECS[n]["scheme"] == "w4a4"]
+    closed = {n: _gap_closed(report, n) for n in w4a4}
+    closed = {n: c for n, c in closed.items() if c is not None}
+    if closed:
+        best = max(closed, key=closed.get)
+        lines.append(f"- best W4A4 recipe {best}: closes {100 * closed[best]:.1f}% of RTN W4A4's gap to FP "
+                     f"(target >= 60%: {'met' if closed[best] >= 0.6 else 'NOT met'})")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    res = report["results"]
+    fp = res.get("fp", {}).get("token_perplexity")
+    windows = {r["windows"] for r in res.values()}
+    tokens = {r["tokens"] for r in res.values()}
+    out = [
+        "# SmolLM2-135M-Instruct: NVFP4 methods x schemes x Four Over Six (WikiText-2 test)",
+        "",
+        f"- Model: {s['model']}",
+        f"- Metric: {s['eval']}; {', '.join(map(str, sorted(windows)))} windows "
+        f"({', '.join(map(str, sorted(tokens)))} scored tokens) of the 148 in the split",
+        f"- Calibration: {s['calibration']}; AWQ/SmoothQuant searches on {s['search_nsamples']} sequences, "
+        f"AWQ grid of {s['awq_grid']} exponents",
+        f"- Compute: {s['dtype']}; lm_head kept in high precision (the default ignore list)",
+        "- Commands:",
+        *[f"  - `{c}`" for c in report["commands"]],
+        "",
+        "| config | method | scheme | 4/6 | token ppl | vs FP | RTN gap closed | weight rel. err | 4-scale share | quantize s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in _order(report):
+        r, cfg = res[name], ALL_SPECS[name] or {}
+        delta = "" if fp is None or not cfg else f"{r['token_perplexity'] - fp:+.3f}"
+        gap = _gap_closed(report, name)
+        extra = " (4/6 chosen before the loop)" if cfg.get("gptq_scale_choice") == "once" else ""
+        out.append(
+            f"| {name} | {cfg.get('method', 'full precision')}{extra} | {cfg.get('scheme', '-')} | "
+            f"{cfg.get('four_six') or '-'} | {r['token_perplexity']:.3f} | {delta} | "
+            f"{'' if gap is None else f'{100 * gap:.1f}%'} | "
+            f"{_fmt(r.get('mean_weight_rel_error'), '.4f')} | {_fmt(r.get('mean_four_share'), '.3f')} | "
+            f"{r['quantize_s']} |"
+        )
+    out += ["", "## Targets", "", *(targets(report) or ["- (not enough configs measured yet)"]), ""]
+    return "\n".join(out)
+
+
+def _fmt(value, spec):
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in _order(report) if n != "fp"]
+    if not names:
+        return
+    ppl = [report["results"][n]["token_perplexity"] for n in names]
+    colors = ["tab:blue" if ALL_SPECS[n]["scheme"] == "w4a16" else "tab:orange" for n in names]
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4.5))
+    ax.bar(range(len(names)), ppl, color=colors)
+    if "fp" in report["results"]:
+        ax.axhline(report["results"]["fp"]["token_perplexity"], color="black", linestyle="--", label="full precision")
+        ax.legend()
+    ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
+    ax.set_ylabel("WikiText-2 token perplexity (lower is better)")
+    ax.set_ylim(min(ppl + [report["results"].get("fp", {}).get("token_perplexity", min(ppl))]) * 0.95, max(ppl) * 1.02)
+    ax.set_title("SmolLM2-135M NVFP4: blue W4A16, orange W4A4")
+    fig.tight_layout()
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
