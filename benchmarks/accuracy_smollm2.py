@@ -27,6 +27,7 @@ import torch
 import fp4ptq
 from fp4ptq import QuantConfig
 from fp4ptq.calib import get_calibration
+from fp4ptq.eval import decoded_weight_cache
 from fp4ptq.eval.perplexity import load_corpus, perplexity
 from fp4ptq.eval.report import write_atomic
 from fp4ptq.sources import load_source_model
@@ -118,8 +119,9 @@ def main(argv=None) -> int:
             model = fp4ptq.quantize(copy.deepcopy(base), config, calib, progress=True)
             quant_s = time.perf_counter() - started
             info = model.fp4ptq_info
-        ppl = perplexity(model, tokenizer, corpus=corpus, seqlen=2048, max_windows=args.windows,
-                         word_perplexity=False, progress=True)
+        with decoded_weight_cache(model):  # decode each packed weight once (bit-identical outputs)
+            ppl = perplexity(model, tokenizer, corpus=corpus, seqlen=2048, max_windows=args.windows,
+                             word_perplexity=False, progress=True)
         entry = {
             "config": ALL_SPECS[name],
             "token_perplexity": ppl["token_perplexity"],

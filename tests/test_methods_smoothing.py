@@ -132,3 +132,22 @@ def test_awq_clip_never_increases_the_block_output_error(four_six):
 
     assert torch.all(block_err(clipped) <= block_err(W) * (1 + 1e-6))
     assert block_err(clipped).sum() < block_err(W).sum()
+
+
+def test_simulated_group_quantizes_a_shared_input_once(monkeypatch):
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(32, 8) for _ in range(3)]
+    x, s = torch.randn(4, 32), torch.rand(32) + 0.5
+    calls = []
+    real = nvfp4.fake_quantize
+
+    def counting(t, *args, **kwargs):
+        calls.append(kwargs.get("name"))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4, "fake_quantize", counting)
+    with smoothing.simulated_quantized(linears, s, four_six="mse", act_amax=(x / s).abs().max()):
+        outs = [lin(x) for lin in linears]
+        again = linears[0](x.clone())
+    assert calls.count("activation") == 2  # once for x (three linears), once for its copy
+    assert torch.equal(again, outs[0])

@@ -90,16 +90,20 @@ def simulated_quantized(
 
     The weights go through the real NVFP4 packer (``nvfp4.fake_quantize``,
     Four Over Six included) with the group's shared global scale; ``weight_fn``
-    may replace that step (e.g. a clipping search). Restored on exit."""
+    may replace that step (e.g. a clipping search). Restored on exit.
+
+    The linears share their input, so its (costly) fake-quantization is done
+    once per input tensor and reused by the next linear called on it."""
     s = scales.detach().float()
     amax = group_weight_amax(linears, s)
+    shared_input = _LastInput(s, four_six, act_amax)
     patched = []
     try:
         for lin in linears:
             w_scaled = lin.weight.detach().float() * s[None, :]
             w_q = weight_fn(lin, w_scaled) if weight_fn else nvfp4.fake_quantize(w_scaled, four_six, amax=amax)
             w_q = w_q.to(lin.weight.dtype)
-            lin.forward = _simulated_forward(lin, w_q, s, four_six, act_amax)
+            lin.forward = _simulated_forward(lin, w_q, shared_input)
             patched.append(lin)
         yield
     finally:
@@ -107,12 +111,27 @@ def simulated_quantized(
             del lin.forward  # back to the class's forward
 
 
-def _simulated_forward(lin: nn.Linear, w_q: torch.Tensor, s: torch.Tensor, four_six, act_amax):
+class _LastInput:
+    """``fq(x / s)`` (or ``x / s`` without activation quantization) of the last
+    input seen, recomputed only when a different tensor comes in."""
+
+    def __init__(self, s: torch.Tensor, four_six, act_amax) -> None:
+        self.s, self.four_six, self.act_amax = s, four_six, act_amax
+        self.x, self.version, self.value = None, None, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # The same tensor object, not modified in place since (holding it keeps it alive).
+        if x is not self.x or x._version != self.version:
+            x_s = (x.float() / self.s).to(x.dtype)
+            if self.act_amax is not None:
+                x_s = nvfp4.fake_quantize(x_s, self.four_six, amax=self.act_amax, name="activation")
+            self.x, self.version, self.value = x, x._version, x_s
+        return self.value
+
+
+def _simulated_forward(lin: nn.Linear, w_q: torch.Tensor, shared_input: _LastInput):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        x_s = (x.float() / s).to(x.dtype)
-        if act_amax is not None:
-            x_s = nvfp4.fake_quantize(x_s, four_six, amax=act_amax, name="activation")
-        return nn.functional.linear(x_s, w_q, lin.bias)
+        return nn.functional.linear(shared_input(x), w_q, lin.bias)
 
     return forward
 
