@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -508,14 +509,15 @@ def _quantize_head(model, spec: ArchSpec, config: QuantConfig, inputs, device, h
     norm = model.get_submodule(spec.final_norm)
     homes = [next(m.parameters()).device for m in (norm, head)]
     norm.to(device)
-    head.to(device)
+    # A copy on the device: the head's weight may be tied to the input embedding,
+    # which must not follow it there.
+    set_module(model, spec.head, copy.deepcopy(head).to(device))
     stats = None
     if use_data:
         stats = InputStats(spec.head, hessian_wanted=config.rounding == "gptq")
         for h in inputs.hidden:
             stats.update(norm(h))
-    rtn_config = config if use_data else QuantConfig(**{**config.to_dict(), "method": "rtn"})
-    entries = quantize_group(model, spec, group, members, stats, _no_transform(rtn_config), "")
+    entries = quantize_group(model, spec, group, members, stats, _no_transform(config), "")
     norm.to(homes[0])
     model.get_submodule(spec.head).to(homes[1])
     return entries
