@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import fp4ptq
 from fp4ptq import nvfp4
@@ -163,7 +163,8 @@ def test_ignore_pattern_keeps_matching_layers():
 
 @pytest.mark.parametrize(
     "config_cls, extra",
-    [(Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}), (LlamaConfig, {"num_key_value_heads": 1})],
+    [(Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}), (MistralConfig, {"sliding_window": 8}),
+     (LlamaConfig, {"num_key_value_heads": 1})],
 )
 def test_other_architectures_and_grouped_query_attention(config_cls, extra):
     model = tiny(config_cls, **extra)
