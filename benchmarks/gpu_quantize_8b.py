@@ -136,7 +136,7 @@ def main(argv=None) -> int:
           f"calibration {nsamples} x {seqlen}; device {result['device']}", flush=True)
 
     for name in methods:
-        model = base if len(methods) == 1 else _clone(base)
+        model = base if name == methods[-1] else _clone(base)  # the last run may consume the original
         config = QuantConfig(ignore=("lm_head",), nsamples=nsamples, seqlen=seqlen, **METHODS[name])
         if cuda:
             torch.cuda.empty_cache()
