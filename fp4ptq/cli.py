@@ -381,8 +381,16 @@ def cmd_compare(args) -> int:
                            EXIT_MISSING) from exc
         except (ValueError, json.JSONDecodeError) as exc:
             raise CLIError(str(exc)) from exc
-        settings = settings or report["settings"]
-        entries.append(report["models"][-1])
+        settings = settings or dict(report["settings"])
+        entry = report["models"][-1]
+        same = next((e for e in entries if e["spec"] == entry["spec"]), None)
+        if same is None:
+            entries.append(json.loads(json.dumps(entry)))
+        else:   # the same model evaluated in several runs (e.g. split by task): one column
+            same["results"].update(entry["results"])
+            same["seconds"] = round(same.get("seconds", 0) + entry.get("seconds", 0), 1)
+    tasks = [t for e in entries for t in e["results"]]
+    settings["tasks"] = ",".join(dict.fromkeys(tasks))
     report = new_report(entries, settings, reference=0, command="fp4ptq " + shlex.join(args.argv))
     output = Path(args.output) if args.output else OUT_ROOT / "compare"
     _prepare_output(output, args.overwrite, "report directory")
@@ -502,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compare", formatter_class=_Formatter, help="eval reports side by side (the first is the reference)",
         description="Put the evaluated model of each REPORT (report.json or its folder) in one table, with "
-                    "deltas against the first.", epilog=EXIT_CODES)
+                    "deltas against the first. Reports of the same model (same MODEL_OR_DIR) are merged into "
+                    "one column, so a long evaluation can be run task by task.", epilog=EXIT_CODES)
     c.add_argument("reports", nargs="+", metavar="REPORT")
     c.add_argument("--output", "-o", metavar="DIR", help="report directory (default: fp4ptq-out/compare)")
     c.add_argument("--overwrite", action="store_true", help="replace an existing report directory")

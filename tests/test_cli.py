@@ -85,9 +85,14 @@ def test_calibrated_w4a4_recipe_and_report_reuse(work, capsys):
     assert report["models"][0]["results"] == first["results"]
     assert report["models"][1]["results"]["wikitext"]["word_perplexity"] is None
 
-    assert cli.main(["compare", str(base), str(work / "vs"), "--output", str(work / "cmp")]) == 0
+    # The same checkpoint evaluated on another task in a separate run joins its column.
+    assert cli.main(["eval", str(ckpt), "--tasks", "arc_easy", "--data-dir", str(work / "data"), "--limit", "2",
+                     "-q", "--output", str(work / "arc")]) == 0
+    assert cli.main(["compare", str(base), str(work / "vs"), str(work / "arc"), "--output", str(work / "cmp")]) == 0
     compared = json.loads((work / "cmp" / "report.json").read_text())
     assert [m["name"] for m in compared["models"]] == ["src", "ckpt-awq"]
+    assert set(compared["models"][1]["results"]) == {"wikitext", "arc_easy"}
+    assert compared["settings"]["tasks"] == "wikitext,arc_easy"
     assert "Δ vs src" in capsys.readouterr().out
 
 
