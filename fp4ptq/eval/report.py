@@ -150,9 +150,12 @@ def _fmt_delta(metric: str, delta: Optional[float], ref_value: Optional[float], 
 
 
 def _samples_note(report: dict) -> list[str]:
-    lines = []
-    for m in report["models"][:1]:
+    lines, seen = [], set()
+    for m in report["models"]:          # each task described once, from the first model that ran it
         for task, res in m["results"].items():
+            if task in seen:
+                continue
+            seen.add(task)
             if "windows" in res:
                 words = (f"; word ppl over {res['word_documents']}/{res['documents']} documents"
                          if res.get("word_perplexity") is not None else "")
