@@ -36,8 +36,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 
 
-def _spec(method, scheme, rule, **extra):
-    name = f"{method}/{scheme}/{rule or 'none'}" + "".join(f"/{v}" for v in extra.values())
+def _spec(method, scheme, rule, tag="", **extra):
+    """``(name, QuantConfig kwargs)``; ``tag`` names a variant set by ``extra``."""
+    name = f"{method}/{scheme}/{rule or 'none'}" + (f"/{tag}" if tag else "")
     return name, dict(method=method, scheme=scheme, four_six=rule, **extra)
 
 
@@ -50,7 +51,8 @@ PRESETS = {
         for rule in (None, "mse")
     ],
     "rules": [_spec(m, s, r) for s in ("w4a16", "w4a4") for m in ("rtn", "gptq") for r in ("mae", "max")]
-    + [_spec("gptq", s, "mse", gptq_scale_choice="once") for s in ("w4a16", "w4a4")],
+    + [_spec("gptq", s, "mse", "once", gptq_scale_choice="once") for s in ("w4a16", "w4a4")]
+    + [_spec("gptq", s, "mse", "act_order", gptq_act_order=True) for s in ("w4a16", "w4a4")],
     "combos": [_spec(m, "w4a4", r) for m in ("awq+gptq", "smoothquant+gptq") for r in (None, "mse")],
 }
 PRESETS["all"] = PRESETS["core"] + PRESETS["rules"] + PRESETS["combos"]
@@ -187,7 +189,7 @@ def targets(report: dict) -> list:
     lines = []
     for name in _order(report):
         cfg = ALL_SPECS[name]
-        if not cfg or cfg["four_six"] is None or len(cfg) > 3:
+        if not cfg or cfg["four_six"] is None or len(cfg) > 3:  # variants compare in the table only
             continue
         plain = f"{cfg['method']}/{cfg['scheme']}/none"
         if plain in ppl:
@@ -229,7 +231,8 @@ def markdown(report: dict) -> str:
         r, cfg = res[name], ALL_SPECS[name] or {}
         delta = "" if fp is None or not cfg else f"{r['token_perplexity'] - fp:+.3f}"
         gap = _gap_closed(report, name)
-        extra = " (4/6 chosen before the loop)" if cfg.get("gptq_scale_choice") == "once" else ""
+        extra = " (4/6 chosen before the loop)" if cfg.get("gptq_scale_choice") == "once" else (
+            " (act-order)" if cfg.get("gptq_act_order") else "")
         out.append(
             f"| {name} | {cfg.get('method', 'full precision')}{extra} | {cfg.get('scheme', '-')} | "
             f"{cfg.get('four_six') or '-'} | {r['token_perplexity']:.3f} | {delta} | "
