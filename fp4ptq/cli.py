@@ -180,9 +180,15 @@ def cmd_quantize(args) -> int:
     errors = [r["rel_error"] for r in info["layers"].values() if r.get("rel_error") is not None]
     size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     mean_err = f", mean weight rel. error {sum(errors) / len(errors):.4f}" if errors else ""
+    import torch
+
+    float_note = (" (unquantized tensors kept in float32, the CPU default; --dtype bfloat16 halves them)"
+                  if dtype == torch.float32 else "")
     print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
-          f"{mean_err}; {size / 2**20:.1f} MiB of tensors in {path} "
-          f"[{time.perf_counter() - started:.0f} s]. Next: fp4ptq eval {path} --tasks wikitext")
+          f"{mean_err}; {size / 2**20:.1f} MiB of tensors{float_note} in {path} "
+          f"[{time.perf_counter() - started:.0f} s]. Next: fp4ptq inspect {path}; "
+          f"fp4ptq eval {path} --baseline {args.model or 'demo'} --tasks wikitext,arc_easy "
+          "(add --data-dir DIR without hub access)")
     return EXIT_OK
 
 
