@@ -53,7 +53,8 @@ PRESETS = {
     "rules": [_spec(m, s, r) for s in ("w4a16", "w4a4") for m in ("rtn", "gptq") for r in ("mae", "max")]
     + [_spec("gptq", s, "mse", "once", gptq_scale_choice="once") for s in ("w4a16", "w4a4")]
     + [_spec("gptq", s, "mse", "act_order", gptq_act_order=True) for s in ("w4a16", "w4a4")],
-    "combos": [_spec(m, "w4a4", r) for m in ("awq+gptq", "smoothquant+gptq") for r in (None, "mse")],
+    "combos": [_spec("awq+gptq", s, r) for s in ("w4a16", "w4a4") for r in (None, "mse")]
+    + [_spec("smoothquant+gptq", "w4a4", r) for r in (None, "mse")],
 }
 PRESETS["all"] = PRESETS["core"] + PRESETS["rules"] + PRESETS["combos"]
 ALL_SPECS = dict(PRESETS["all"])
