@@ -433,7 +433,7 @@ def quantize(
     device = torch.device(device) if device is not None else home
     use_data = calib is not None and config.needs_calibration
 
-    inputs = None
+    inputs = None  # without data (RTN W4A16) no block is ever run
     if use_data:
         inputs = capture_block_inputs(model, blocks, calib)
         inputs.hidden = [h.to(device) for h in inputs.hidden]
@@ -442,30 +442,11 @@ def quantize(
     bar = tqdm(range(len(blocks)), desc=f"fp4ptq {config.method} {config.scheme}", disable=not progress, unit="block")
     for index in bar:
         block = blocks[index]
-        prefix = f"{block_prefix}.{index}"
         block_home = next(block.parameters()).device
         block.to(device)
-        members = {g: _split_quantizable(block, g, config, prefix, high) for g in spec.groups}
-        if use_data:
-            call = _to_device(inputs.calls[index], device)
-            keep = config.search_nsamples if config.transform else 0
-            with collect_input_stats(
-                block, spec.groups, prefix, hessian=config.rounding == "gptq", keep_samples=keep
-            ) as stats_list:
-                run_block(block, inputs.hidden, call, replace=False)
-            stats = dict(zip(spec.groups, stats_list))
-            if config.transform:
-                for group in spec.groups:
-                    smoothing_info[f"{prefix}.{group.linears[0]}"] = smooth_group(block, group, stats[group], config, call)
-        for group in spec.groups:
-            if members[group]:
-                st = stats[group] if use_data else None
-                layers.update(quantize_group(block, spec, group, members[group], st, config, prefix))
-        if use_data:
-            del stats, stats_list
-            run_block(block, inputs.hidden, call, replace=True)
+        quantize_block(block, spec, config, f"{block_prefix}.{index}", inputs, index, device,
+                       layers=layers, high=high, smoothing_info=smoothing_info)
         block.to(block_home)
-        _record_stray_linears(block, spec, prefix, high)
 
     layers.update(_quantize_head(model, spec, config, inputs, device, high, use_data))
     for name, module in model.named_modules():
@@ -482,6 +463,36 @@ def quantize(
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
     return model
+
+
+@torch.no_grad()
+def quantize_block(
+    block: nn.Module, spec: ArchSpec, config: QuantConfig, prefix: str, inputs: Optional[BlockInputs],
+    index: int, device: torch.device, *, layers: dict, high: dict, smoothing_info: dict,
+) -> None:
+    """One decoder block (already on ``device``): statistics -> transforms ->
+    rounding -> swap, then (with data) its quantized outputs replace
+    ``inputs.hidden`` for the next block. Fills the three report dicts."""
+    members = {g: _split_quantizable(block, g, config, prefix, high) for g in spec.groups}
+    stats = dict.fromkeys(spec.groups)
+    if inputs is not None:
+        call = _to_device(inputs.calls[index], device)
+        keep = config.search_nsamples if config.transform else 0
+        with collect_input_stats(
+            block, spec.groups, prefix, hessian=config.rounding == "gptq", keep_samples=keep
+        ) as stats_list:
+            run_block(block, inputs.hidden, call, replace=False)
+        stats = dict(zip(spec.groups, stats_list))
+        if config.transform:
+            for group in spec.groups:
+                smoothing_info[f"{prefix}.{group.linears[0]}"] = smooth_group(block, group, stats[group], config, call)
+    for group in spec.groups:
+        if members[group]:
+            layers.update(quantize_group(block, spec, group, members[group], stats[group], config, prefix))
+    if inputs is not None:
+        stats = stats_list = None  # free the Hessians and search samples before the next pass
+        run_block(block, inputs.hidden, call, replace=True)
+    _record_stray_linears(block, spec, prefix, high)
 
 
 def _record_stray_linears(block: nn.Module, spec: ArchSpec, prefix: str, high: dict) -> None:
@@ -530,4 +541,4 @@ def _no_transform(config: QuantConfig) -> QuantConfig:
 
 
 __all__ = ["BlockInputs", "CalibrationError", "InputStats", "capture_block_inputs", "collect_input_stats",
-           "quantize", "quantize_group", "run_block", "smooth_group"]
+           "quantize", "quantize_block", "quantize_group", "run_block", "smooth_group"]
