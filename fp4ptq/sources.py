@@ -104,6 +104,7 @@ def load_source_model(
         if src.kind == "hub":
             hint = (" If this machine has no access to the Hugging Face hub, download the model "
                     "elsewhere and pass its local directory (or set HF_HOME to a cache that has it).")
-        raise SourceModelError(f"could not load model {src.spec or src.path!r}: {exc}.{hint}") from exc
+        reason = str(exc).rstrip(". ")
+        raise SourceModelError(f"could not load model {src.spec or src.path!r}: {reason}.{hint}") from exc
     model.to(device).eval()
     return model, tokenizer, src
