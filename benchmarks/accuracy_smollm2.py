@@ -54,7 +54,9 @@ PRESETS = {
     + [_spec("gptq", s, "mse", "once", gptq_scale_choice="once") for s in ("w4a16", "w4a4")]
     + [_spec("gptq", s, "mse", "act_order", gptq_act_order=True) for s in ("w4a16", "w4a4")],
     "combos": [_spec("awq+gptq", s, r) for s in ("w4a16", "w4a4") for r in (None, "mse")]
-    + [_spec("smoothquant+gptq", "w4a4", r) for r in (None, "mse")],
+    + [_spec("smoothquant+gptq", "w4a4", r) for r in (None, "mse")]
+    + [_spec("awq+gptq", "w4a4", "mse", "clip", awq_clip=True),
+       _spec("awq+gptq", "w4a4", "mse", "grid20", awq_grid=20, search_nsamples=4)],
 }
 PRESETS["all"] = PRESETS["core"] + PRESETS["rules"] + PRESETS["combos"]
 ALL_SPECS = dict(PRESETS["all"])
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
         if ALL_SPECS[name] is not None:
             if calib is None:
                 calib = get_calibration(str(calib_dir), tokenizer, args.nsamples, args.calib_seqlen, seed=0)
-            config = QuantConfig(**ALL_SPECS[name], search_nsamples=args.search_nsamples, awq_grid=args.awq_grid)
+            # The run's search settings, unless the spec (a tagged variant) sets its own.
+            config = QuantConfig(**{"search_nsamples": args.search_nsamples, "awq_grid": args.awq_grid,
+                                    **ALL_SPECS[name]})
             model = fp4ptq.quantize(copy.deepcopy(base), config, calib, progress=True)
             quant_s = time.perf_counter() - started
             info = model.fp4ptq_info
@@ -232,8 +236,8 @@ def markdown(report: dict) -> str:
         r, cfg = res[name], ALL_SPECS[name] or {}
         delta = "" if fp is None or not cfg else f"{r['token_perplexity'] - fp:+.3f}"
         gap = _gap_closed(report, name)
-        extra = " (4/6 chosen before the loop)" if cfg.get("gptq_scale_choice") == "once" else (
-            " (act-order)" if cfg.get("gptq_act_order") else "")
+        extra = {"once": " (4/6 chosen before the loop)", "act_order": " (act-order)", "clip": " (+ clipping search)",
+                 "grid20": " (grid 20, 4 search sequences)"}.get(name.split("/")[3] if name.count("/") == 3 else "", "")
         out.append(
             f"| {name} | {cfg.get('method', 'full precision')}{extra} | {cfg.get('scheme', '-')} | "
             f"{cfg.get('four_six') or '-'} | {r['token_perplexity']:.3f} | {delta} | "
