@@ -142,7 +142,7 @@ class InputStats:
         self.abs_sum = asum if self.abs_sum is None else self.abs_sum.add_(asum)
         self.tokens += xf.shape[0]
         if self.hessian_wanted:
-            self.hessian = hessian_update(self.hessian, xf)
+            self.hessian = hessian_update(self.hessian, x.detach())  # its dtype picks the matmul precision
         for seq in x.detach().split(1):  # x: [batch, T, in] -> sequences [1, T, in]
             if len(self.samples) >= self.keep_samples:
                 break
