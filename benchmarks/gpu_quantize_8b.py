@@ -135,6 +135,12 @@ def main(argv=None) -> int:
     print(f"model {result['model_bytes'] / 1e9:.2f} GB on CPU, built in {result['build_s']} s; "
           f"calibration {nsamples} x {seqlen}; device {result['device']}", flush=True)
 
+    if cuda and not args.tiny:
+        result["gptq_graph_check"] = graph_check(device)
+        save()
+        print(f"GPTQ CUDA-graph check: {result['gptq_graph_check']}", flush=True)
+
+    timer = PhaseTimer(device) if cuda else None
     for name in methods:
         model = base if name == methods[-1] else _clone(base)  # the last run may consume the original
         config = QuantConfig(ignore=("lm_head",), nsamples=nsamples, seqlen=seqlen, **METHODS[name])
@@ -162,6 +168,8 @@ def main(argv=None) -> int:
             run["offload_proof"] = bool(
                 result.get("gpu_mem_cap_bytes") and result["model_bytes"] > result["gpu_mem_cap_bytes"]
             )
+        if timer is not None:
+            run["phase_s"] = timer.take()  # nested: quantize_group includes gptq; run_block includes hooks' hessian_update
         result["runs"][name] = run
         save()
         print(f"{name}: {run['quantize_s']} s, peak GPU {run.get('peak_gpu_gib', '-')} GiB", flush=True)
@@ -170,6 +178,68 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "sizes"}, indent=2))
     print(f"wrote {out_path}")
     return 0
+
+
+class PhaseTimer:
+    """Wall time per pipeline phase (patched module functions, each call closed by
+    a CUDA synchronize), to say where the minutes go."""
+
+    def __init__(self, device) -> None:
+        import importlib
+
+        self.device, self.totals, self.patched = device, {}, []
+        pipeline = importlib.import_module("fp4ptq.pipeline")
+        for name in ("run_block", "smooth_group", "quantize_group", "capture_block_inputs", "gptq", "hessian_update"):
+            self._patch(pipeline, name)
+
+    def _patch(self, module, name) -> None:
+        original = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.synchronize(self.device)
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(module, name, timed)
+        self.patched.append((module, name, original))
+
+    def take(self) -> dict:
+        out = {k: round(v, 1) for k, v in self.totals.items()}
+        self.totals = {}
+        return out
+
+
+def graph_check(device, rows: int = 4096, cols: int = 4096) -> dict:
+    """GPTQ on one random ``[rows, cols]`` layer, eager column loop vs CUDA-graph
+    replay (``FP4PTQ_GPTQ_GRAPHS``): identical codes and scales, and both times."""
+    from fp4ptq.methods.gptq import gptq
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    W = torch.randn(rows, cols, generator=gen, device=device) * 0.02
+    X = torch.randn(8192, cols, generator=gen, device=device)
+    H = X.t() @ X
+    out = {"shape": [rows, cols]}
+    results = {}
+    for mode in ("0", "1"):
+        os.environ["FP4PTQ_GPTQ_GRAPHS"] = mode
+        for rule in (None, "mse"):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            q = gptq(W, H, four_six=rule)
+            torch.cuda.synchronize(device)
+            key = f"{'graph' if mode == '1' else 'eager'}_{rule or 'none'}"
+            out[key + "_s"] = round(time.perf_counter() - t, 3)
+            results[key] = q
+    os.environ.pop("FP4PTQ_GPTQ_GRAPHS")
+    for rule in ("none", "mse"):
+        a, b = results[f"eager_{rule}"], results[f"graph_{rule}"]
+        out[f"identical_{rule}"] = bool(torch.equal(a.packed, b.packed) and torch.equal(
+            a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8)))
+    return out
 
 
 def _clone(model):
