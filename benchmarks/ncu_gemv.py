@@ -1,0 +1,47 @@
+"""Profile input for Nsight Compute: our M=1 W4A16 GEMV (``gemv5``) beside
+torch's tinygemm int4 and cuBLAS bf16 on one shape (default Llama-70B
+gate+up, N=57344, K=8192), each launched ``--reps`` times.
+
+    ncu --clock-control none --kernel-name regex:'gemv|tinygemm|bf16x2' --launch-skip 6 \\
+        --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats --section MemoryWorkloadAnalysis \\
+        python3 benchmarks/ncu_gemv.py
+(``PEERS_DIR`` names the folder holding ``peers_h200.py``, default ``.peers``.)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=57344)
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    sys.path.insert(0, os.environ.get("PEERS_DIR", ".peers"))
+    import peers_h200 as peers
+
+    from fp4ptq import nvfp4
+    from fp4ptq.kernels import gemm as gm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(args.n, args.k, device="cuda", generator=gen).bfloat16() * 0.02
+    wq = nvfp4.quantize(w)
+    x = torch.randn(1, args.k, device="cuda", generator=gen).bfloat16()
+    tiny = peers.make_tinygemm(w)
+    for label, fn in (("gemv5", lambda: gm.linear_w4a16(x, wq, path="gemv5")),
+                      ("tinygemm", lambda: tiny(x)), ("cublas", lambda: x @ w.t())):
+        for _ in range(args.reps):
+            fn()
+        torch.cuda.synchronize()
+        print(f"{label}: {args.reps} launches", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
