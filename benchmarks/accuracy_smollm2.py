@@ -286,27 +286,55 @@ def _fmt(value, spec):
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+RULE_COLORS = {None: "tab:gray", "mse": "tab:blue", "mae": "tab:green", "max": "tab:red"}
+
+
 def plot(report: dict, path: Path) -> None:
+    """One panel per scheme: a group of bars per method (one bar per 4/6 rule),
+    then the tagged variants; the full-precision perplexity as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    res = report["results"]
     names = [n for n in _order(report) if n != "fp"]
     if not names:
         return
-    ppl = [report["results"][n]["token_perplexity"] for n in names]
-    colors = ["tab:blue" if ALL_SPECS[n]["scheme"] == "w4a16" else "tab:orange" for n in names]
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4.5))
-    ax.bar(range(len(names)), ppl, color=colors)
-    if "fp" in report["results"]:
-        ax.axhline(report["results"]["fp"]["token_perplexity"], color="black", linestyle="--", label="full precision")
-        ax.legend()
-    ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
-    ax.set_ylabel("WikiText-2 token perplexity (lower is better)")
-    ax.set_ylim(min(ppl + [report["results"].get("fp", {}).get("token_perplexity", min(ppl))]) * 0.95, max(ppl) * 1.02)
-    ax.set_title("SmolLM2-135M NVFP4: blue W4A16, orange W4A4")
-    fig.tight_layout()
+    schemes = [s for s in ("w4a16", "w4a4") if any(ALL_SPECS[n]["scheme"] == s for n in names)]
+    fp = res.get("fp", {}).get("token_perplexity")
+    fig, axes = plt.subplots(1, len(schemes), figsize=(7 * len(schemes), 4.8), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes):
+        mine = [n for n in names if ALL_SPECS[n]["scheme"] == scheme]
+        methods = list(dict.fromkeys(ALL_SPECS[n]["method"] for n in mine if n.count("/") == 2))
+        ticks, labels, x = [], [], 0.0
+        for method in methods:
+            rules = [r for r in RULE_COLORS if f"{method}/{scheme}/{r or 'none'}" in res]
+            for j, rule in enumerate(rules):
+                value = res[f"{method}/{scheme}/{rule or 'none'}"]["token_perplexity"]
+                ax.bar(x + j, value, color=RULE_COLORS[rule], width=0.9)
+            ticks.append(x + (len(rules) - 1) / 2)
+            labels.append(method)
+            x += len(rules) + 1
+        for n in (n for n in mine if n.count("/") == 3):  # tagged variants, one bar each
+            ax.bar(x, res[n]["token_perplexity"], color=RULE_COLORS[ALL_SPECS[n]["four_six"]], width=0.9,
+                   hatch="//", edgecolor="white")
+            ticks.append(x)
+            labels.append(f"{ALL_SPECS[n]['method']} {n.split('/')[3]}")
+            x += 1.5
+        if fp is not None:
+            ax.axhline(fp, color="black", linestyle="--", linewidth=1)
+        values = [res[n]["token_perplexity"] for n in mine] + ([fp] if fp else [])
+        ax.set_ylim(min(values) * 0.95, max(values) * 1.02)
+        ax.set_xticks(ticks, labels, rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"{scheme.upper()}")
+        ax.set_ylabel("WikiText-2 token perplexity (lower is better)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in RULE_COLORS.values()]
+    handles.append(plt.Line2D([0], [0], color="black", linestyle="--"))
+    fig.legend(handles, ["no 4/6", "4/6 mse", "4/6 mae", "4/6 max", "full precision"], loc="upper center",
+               ncol=5, fontsize=8)
+    fig.suptitle("SmolLM2-135M NVFP4 (hatched: variants)", y=0.90, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
     import io
 
     buffer = io.BytesIO()
