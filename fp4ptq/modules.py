@@ -9,9 +9,17 @@ Its buffers are exactly the compressed-tensors checkpoint tensors, so its
     input_global_scale   float32         [1]   (W4A4 only: 6*448/input_amax)
 
 ``forward`` calls only ``fp4ptq.kernels`` (Triton on CUDA, reference elsewhere).
+
+Off CUDA the reference GEMMs multiply by the decoded weight; decoding costs more
+than the matmul on a CPU, so the module keeps the decoded weight (one float copy
+per layer) while its packed buffers stay the same tensors with the same contents
+(see ``NVFP4Linear.decode_cache``). On CUDA the kernels read the packed weight
+and nothing is cached.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Optional
 
 import torch
@@ -21,9 +29,40 @@ from . import kernels, nvfp4
 from .nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
 SCHEMES = ("w4a16", "w4a4")
+DECODE_CACHE_ENV = "FP4PTQ_DECODE_CACHE"
+_WEIGHT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def decode_cache_enabled_by_env() -> bool:
+    """``FP4PTQ_DECODE_CACHE=0`` (or false/no/off) turns the decoded-weight cache off; default on."""
+    return os.environ.get(DECODE_CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _buffer_state(tensor: torch.Tensor):
+    """What identifies a buffer's contents: the tensor object, its storage and its
+    version counter (bumped by every in-place write: ``copy_``, ``load_state_dict``)."""
+    return weakref.ref(tensor), tensor.data_ptr(), tensor._version
+
+
+def _same_buffer(state, tensor: torch.Tensor) -> bool:
+    ref, data_ptr, version = state
+    return ref() is tensor and data_ptr == tensor.data_ptr() and version == tensor._version
 
 
 class NVFP4Linear(nn.Module):
+    """Packed NVFP4 linear layer.
+
+    ``decode_cache``: None (default) follows ``FP4PTQ_DECODE_CACHE`` (on unless
+    set to 0); True/False forces it. When on and the module is not on CUDA, the
+    decoded weight is kept after the first forward and reused until one of the
+    packed buffers is replaced or written in place (or the module is moved with
+    ``.to()``); it is never part of the ``state_dict`` or a pickle.
+    """
+
+    # Class-level defaults also cover modules unpickled from before these attributes existed.
+    decode_cache: Optional[bool] = None
+    _decoded = None
+
     def __init__(
         self,
         in_features: int,
@@ -63,6 +102,9 @@ class NVFP4Linear(nn.Module):
         else:
             self.input_global_scale = None
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.decode_cache: Optional[bool] = None
+        # (buffer states, inference mode, dtype, decoded weight [out, in]) or None.
+        self._decoded = None
 
     # ------------------------------------------------------------------ #
     @classmethod
@@ -116,11 +158,51 @@ class NVFP4Linear(nn.Module):
         return nvfp4.activation_amax_from_global(self.input_global_scale)
 
     # ------------------------------------------------------------------ #
+    def _caches_decode(self) -> bool:
+        enabled = self.decode_cache if self.decode_cache is not None else decode_cache_enabled_by_env()
+        buffers = [getattr(self, name) for name in _WEIGHT_BUFFERS]
+        # Inference tensors have no version counter, so in-place edits could not be seen.
+        return enabled and buffers[0].device.type != "cuda" and not any(t.is_inference() for t in buffers)
+
+    def _decoded_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantized_weight(dtype)``, decoded once while the packed buffers are unchanged."""
+        buffers = [getattr(self, name) for name in _WEIGHT_BUFFERS]
+        inference = torch.is_inference_mode_enabled()
+        cached = self._decoded
+        if (cached is not None and cached[1] == inference and cached[2] == dtype
+                and all(_same_buffer(state, t) for state, t in zip(cached[0], buffers))):
+            return cached[3]
+        self._decoded = None   # free the stale copy before decoding the new one
+        decoded = self.dequantized_weight(dtype)
+        self._decoded = (tuple(_buffer_state(t) for t in buffers), inference, dtype, decoded)
+        return decoded
+
+    def clear_decode_cache(self) -> None:
+        """Drop the decoded weight (the next reference forward decodes again)."""
+        self._decoded = None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() replace the buffers: the decoded copy is stale (and must not
+        # follow the module to CUDA).
+        self._decoded = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_decoded"] = None   # weak references do not pickle, and the copy is derived data
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.quantized_weight()
+        if self._caches_decode():
+            decoded = self._decoded_weight
+        else:
+            self._decoded = None
+            decoded = None
         if self.scheme == "w4a4":
-            return kernels.linear_w4a4(x, weight, self.input_amax(), self.bias, four_six=self.act_four_six)
-        return kernels.linear_w4a16(x, weight, self.bias)
+            return kernels.linear_w4a4(x, weight, self.input_amax(), self.bias, four_six=self.act_four_six,
+                                       decoded=decoded)
+        return kernels.linear_w4a16(x, weight, self.bias, decoded=decoded)
 
     def extra_repr(self) -> str:
         extra = f", act_four_six={self.act_four_six}" if self.act_four_six else ""

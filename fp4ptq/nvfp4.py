@@ -280,6 +280,13 @@ def quantize_blocks(
 
 
 def _validate(x: torch.Tensor, name: str, four_six: Optional[str], pad: bool, block_2d: bool) -> int:
+    pad_k = _validate_layout(x, name, four_six, pad, block_2d)
+    check_finite(x, name)
+    return pad_k
+
+
+def _validate_layout(x: torch.Tensor, name: str, four_six: Optional[str], pad: bool, block_2d: bool) -> int:
+    """Everything ``_validate`` checks except finiteness; returns the padding of the last dim."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise NVFP4Error(f"{name}: expected a floating-point tensor, got {type(x).__name__} "
                          f"{getattr(x, 'dtype', '')}")
@@ -299,7 +306,6 @@ def _validate(x: torch.Tensor, name: str, four_six: Optional[str], pad: bool, bl
             f"{name}: 2D 16x16 blocks need a 2-D tensor whose last two dims are multiples "
             f"of {BLOCK_SIZE}; got shape {tuple(x.shape)}"
         )
-    check_finite(x, name)
     return (-k) % BLOCK_SIZE
 
 
@@ -410,6 +416,76 @@ def fake_quantize(
     ).dequantize(x.dtype)
 
 
+# E2M1's spacing is half the power of two at or below the magnitude (0.5 below 2,
+# 1 in [2, 4), 2 in [4, 6]), but never below 0.5: the int32 pattern of 1.0 (exponent
+# field only) is the floor of ``2 ** floor(log2 r)``.
+_FP32_EXPONENT_MASK = 0x7F800000
+_FP32_ONE_BITS = 0x3F800000
+
+
+def _e2m1_magnitude_times_step(mag: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``e2m1_rne(mag / step) * step`` for magnitudes ``mag [..., n]`` (finite, >= 0)
+    and block steps ``step [..., 1]`` (0 where the block scale is 0, giving 0s),
+    by arithmetic instead of a table: a new tensor, temporaries updated in place.
+
+    Exact: after clamping to 6 (E2M1 saturates), ``r / spacing`` only moves the
+    exponent, ``round`` is ties-to-even (the even-mantissa neighbour, as
+    ``e2m1_code``), and multiplying back by a power of two is exact."""
+    # A zero step divides by inf instead: 0 for any finite magnitude, as the reference.
+    r = mag / torch.where(step > 0, step, torch.inf)
+    r.clamp_(max=FP4_MAX)
+    # 2 ** floor(log2 r), at least 1 (0 and subnormals included): twice the E2M1 spacing.
+    twice_spacing = r.view(torch.int32).bitwise_and(_FP32_EXPONENT_MASK).clamp_(min=_FP32_ONE_BITS).view(torch.float32)
+    r.mul_(2.0).div_(twice_spacing).round_().mul_(twice_spacing).mul_(0.5)   # r is now e2m1_rne(mag / step)
+    return r.mul_(step)
+
+
+def fake_quantize_fused(
+    x: torch.Tensor,
+    four_six: Optional[str] = None,
+    *,
+    amax: Optional[torch.Tensor | float] = None,
+    global_enc: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+    name: str = "tensor",
+) -> torch.Tensor:
+    """Bit for bit ``quantize(x, four_six, amax=amax, global_enc=global_enc,
+    name=name).dequantize(dtype)`` (1-D blocks, last dim a multiple of 16), in
+    fewer passes over memory: the dequantized values are computed directly
+    (no codes, packing or table look-ups) from the magnitudes, with the sign
+    copied from ``x`` at the end (the reference keeps the input's sign bit in the
+    code, so a negative value rounding to 0 comes back as -0 here too).
+
+    This is the W4A4 reference path's activation quantizer; ``quantize`` stays
+    the definition (tests pin the two together). ``dtype`` defaults to ``x.dtype``.
+    """
+    _validate_layout(x, name, four_six, pad=False, block_2d=False)
+    if global_enc is None:
+        global_enc = global_encode_scale(tensor_amax(x) if amax is None else amax, four_six is not None)
+    global_enc = torch.as_tensor(global_enc, dtype=torch.float32, device=x.device).reshape(())
+    kp = x.shape[-1]
+    # blocks: [rows, K/16, 16], the layout the reference's quantize_blocks reduces over.
+    blocks = x.detach().float().reshape(-1, kp // BLOCK_SIZE, BLOCK_SIZE)
+    out = torch.empty_like(blocks)
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(kp, 1))
+    for start in range(0, blocks.shape[0], rows_per_chunk):
+        chunk = blocks[start : start + rows_per_chunk]
+        mag = chunk.abs()
+        bmax = mag.amax(-1)
+        if not torch.isfinite(bmax).all():   # NaN/Inf reach the block max: name the tensor like quantize
+            check_finite(x, name)
+        step6 = (block_scale(bmax, global_enc, FP4_MAX) / global_enc).unsqueeze(-1)
+        x_hat = _e2m1_magnitude_times_step(mag, step6)
+        if four_six is not None:
+            step4 = (block_scale(bmax, global_enc, 4.0) / global_enc).unsqueeze(-1)
+            x_hat4 = _e2m1_magnitude_times_step(mag, step4)
+            # |x_hat - x| is the same on magnitudes (both share x's sign), so the errors are the reference's.
+            chose_four = _block_error(x_hat4, mag, four_six) < _block_error(x_hat, mag, four_six)
+            x_hat = torch.where(chose_four.unsqueeze(-1), x_hat4, x_hat)
+        torch.copysign(x_hat, chunk, out=out[start : start + rows_per_chunk])
+    return out.reshape(x.shape).to(dtype or x.dtype)
+
+
 def quantization_error(x: torch.Tensor, q: NVFP4Tensor) -> float:
     """Relative Frobenius error ``||x - x_hat|| / ||x||`` (0 for an all-zero x)."""
     xf = x.detach().float()
@@ -433,7 +509,7 @@ def input_global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
 __all__ = [
     "BLOCK_SIZE", "E2M1_VALUES", "FOUR_SIX_FP8_MAX", "FOUR_SIX_RULES", "FP4_MAX", "FP8_MAX",
     "NVFP4Error", "NVFP4Tensor", "activation_amax_from_global", "block_scale", "check_finite",
-    "dequantize", "e2m1_code", "e2m1_decode", "e2m1_rne", "e4m3_rne", "fake_quantize",
+    "dequantize", "e2m1_code", "e2m1_decode", "e2m1_rne", "e4m3_rne", "fake_quantize", "fake_quantize_fused",
     "global_encode_scale", "input_global_scale_from_amax", "pack_codes", "quantization_error",
     "quantize", "quantize_blocks", "tensor_amax", "unpack_codes",
 ]

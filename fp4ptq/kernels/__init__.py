@@ -15,7 +15,7 @@ the same paths after quantizing the activations).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -84,19 +84,27 @@ def quantize(
     return nvfp4.quantize(x, four_six, amax=amax)
 
 
+Decoder = Callable[[torch.dtype], torch.Tensor]
+
+
 def linear_w4a16(
     x: torch.Tensor,
     weight: NVFP4Tensor,
     bias: Optional[torch.Tensor] = None,
     *,
     backend: str = "auto",
+    decoded: Optional[Decoder] = None,
 ) -> torch.Tensor:
-    """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype."""
+    """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype.
+
+    decoded: optional ``dtype -> weight.dequantize(dtype)`` (e.g. a cache); only
+             the reference path calls it, the Triton kernels read the packed weight."""
     if _pick(backend, x, "linear_w4a16", weight) == "triton":
         from . import gemm
 
         return gemm.linear_w4a16(x, weight, bias)
-    return torch.nn.functional.linear(x, weight.dequantize(x.dtype), bias)
+    w_hat = decoded(x.dtype) if decoded is not None else weight.dequantize(x.dtype)
+    return torch.nn.functional.linear(x, w_hat, bias)
 
 
 def linear_w4a4(
@@ -107,16 +115,20 @@ def linear_w4a4(
     *,
     four_six: Optional[str] = None,
     backend: str = "auto",
+    decoded: Optional[Decoder] = None,
 ) -> torch.Tensor:
     """W4A4: quantize ``x`` per 16-block under the static ``input_amax`` (with
-    Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``."""
+    Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``.
+    ``decoded`` as in ``linear_w4a16`` (called with fp32)."""
     if _pick(backend, x, "linear_w4a4", weight) == "triton":
         from . import gemm
 
         return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)
-    # Products of E2M1 values and E4M3-derived steps are computed in fp32 here.
-    x_hat = nvfp4.quantize(x, four_six, amax=input_amax, name="activation").dequantize(torch.float32)
-    y = torch.nn.functional.linear(x_hat, weight.dequantize(torch.float32))
+    # Products of E2M1 values and E4M3-derived steps are computed in fp32 here. The fused
+    # fake-quantizer equals nvfp4.quantize(...).dequantize(fp32) bit for bit (tests pin it).
+    x_hat = nvfp4.fake_quantize_fused(x, four_six, amax=input_amax, dtype=torch.float32, name="activation")
+    w_hat = decoded(torch.float32) if decoded is not None else weight.dequantize(torch.float32)
+    y = torch.nn.functional.linear(x_hat, w_hat)
     y = y.to(x.dtype)
     return y if bias is None else y + bias
 
