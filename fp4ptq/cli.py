@@ -147,7 +147,7 @@ def cmd_quantize(args) -> int:
 
     started = time.perf_counter()
     fields = dict(method=args.method, four_six=args.four_six, scheme=args.scheme, seed=args.seed)
-    for name in ("calib", "nsamples", "seqlen"):
+    for name in ("calib", "nsamples", "seqlen", "search_nsamples", "awq_grid"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.ignore:
@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--nsamples", type=int, help="calibration sequences (default 128)")
     q.add_argument("--seqlen", type=int, help="calibration sequence length (default 2048)")
     q.add_argument("--seed", type=int, default=0, help="calibration seed (default: 0)")
+    q.add_argument("--search-nsamples", type=int,
+                   help="calibration sequences the AWQ/SmoothQuant searches run on (default 16)")
+    q.add_argument("--awq-grid", type=int, help="AWQ activation-exponent grid points in [0, 1) (default 20)")
     q.add_argument("--ignore", action="append", metavar="PATTERN",
                    help="module name/glob/re: pattern kept in high precision (repeatable; default: lm_head)")
     q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
