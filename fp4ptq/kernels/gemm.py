@@ -308,7 +308,7 @@ def _gemv_bf16x2_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, X_WORDS: tl.constexpr,
 ):
     # GEMV v5: v4's tiling with packed bf16x2 math. A word's codes i and i+4
     # decode by bit moves into one register of two bf16 (v * 2^-126, exact:
@@ -328,16 +328,29 @@ def _gemv_bf16x2_kernel(
     ab = tl.arange(0, BLOCK_B)
     acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
     xrow = x_ptr + row * stride_xm
+    xwords = xrow.to(tl.pointer_type(tl.int64))
     for b0 in range(0, kb, BLOCK_B):
         blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K)
         bidx = tl.where(b0 + ab < kb, b0 + ab, 0)  # x of a masked block is read in bounds, times code 0
         part = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.int32)  # two bf16 zeros
         for h in tl.static_range(2):
             w = (blk >> (32 * h)).to(tl.int32)
-            xs = xrow + bidx * 16 + 8 * h
+            if X_WORDS:
+                # x as 8-byte words (4 bf16 each): 4 vector loads per block instead of 16
+                # scalar ones, whose lanes 32 bytes apart saturated L1 (ncu: 90.7%).
+                xa = tl.load(xwords + bidx * 4 + 2 * h)       # x[16b + 8h + 0..3]
+                xb = tl.load(xwords + bidx * 4 + 2 * h + 1)   # x[16b + 8h + 4..7]
+            else:
+                xs = xrow + bidx * 16 + 8 * h
             for i in tl.static_range(4):
-                xl = _bf16_bits(tl.load(xs + i).to(tl.float32) * 18446744073709551616.0) & 0xFFFF
-                xh = _bf16_bits(tl.load(xs + i + 4).to(tl.float32) * 18446744073709551616.0) << 16
+                if X_WORDS:
+                    x_lo = _bf16_lane(((xa >> (16 * i)) & 0xFFFF).to(tl.int32), 0)
+                    x_hi = _bf16_lane(((xb >> (16 * i)) & 0xFFFF).to(tl.int32), 0)
+                else:
+                    x_lo = tl.load(xs + i).to(tl.float32)
+                    x_hi = tl.load(xs + i + 4).to(tl.float32)
+                xl = _bf16_bits(x_lo * 18446744073709551616.0) & 0xFFFF
+                xh = _bf16_bits(x_hi * 18446744073709551616.0) << 16
                 part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), (xl | xh)[None, :], part, EMULATE)
         acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
     y = tl.sum(acc, axis=1)
@@ -480,6 +493,8 @@ def _weight_views(weight: NVFP4Tensor):
 # fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
 GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv5")
+# gemv5 reads x as 8-byte words (4 vector loads per 16-code block) rather than 16 scalar loads.
+GEMV5_X_WORDS = os.environ.get("FP4PTQ_GEMV5_X_WORDS", "1") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -507,7 +522,12 @@ def _gemv4_config(m: int, n: int, k: int):
 
 
 def _gemv5_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps) of the packed-bf16x2 GEMV: v4's (same sweep winners)."""
+    """(BLOCK_N, BLOCK_B, num_warps) of the packed-bf16x2 GEMV. With x read as
+    words (``X_WORDS``) 8 rows x 64 blocks x 2 warps won on both gate_up shapes
+    of the session-3 H200 sweep (results/gemv5_sweep_xwords_h200.json); below
+    N = 16384 (and for scalar x) v4's configs stay: they tie there."""
+    if GEMV5_X_WORDS and n >= 16384:
+        return 8, min(64, triton.next_power_of_2(max(1, k // 16))), 2
     return _gemv4_config(m, n, k)
 
 
@@ -574,7 +594,12 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if path in ("gemv4", "gemv5"):
         block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
-        extra = {} if path == "gemv4" else {"EMULATE": INTERPRET}
+        extra = {} if path == "gemv4" else {
+            "EMULATE": INTERPRET,
+            # x read as 8-byte words of bf16 bit patterns: bf16 x with 8-byte aligned rows
+            "X_WORDS": (GEMV5_X_WORDS and x2.dtype == torch.bfloat16 and x2.data_ptr() % 8 == 0
+                        and x2.stride(0) % 4 == 0),
+        }
         kern[(triton.cdiv(n, block_n), m)](
             x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,  # [N, K/16] blocks
             x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
