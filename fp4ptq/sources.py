@@ -106,5 +106,17 @@ def load_source_model(
                     "elsewhere and pass its local directory (or set HF_HOME to a cache that has it).")
         reason = str(exc).rstrip(". ")
         raise SourceModelError(f"could not load model {src.spec or src.path!r}: {reason}.{hint}") from exc
+    if src.gguf_file:
+        _forget_gguf_quantizer(model)
     model.to(device).eval()
     return model, tokenizer, src
+
+
+def _forget_gguf_quantizer(model) -> None:
+    """transformers dequantizes GGUF weights on load but leaves its GGUF
+    quantizer attached, so ``save_pretrained`` of the float model refuses
+    ("not serializable"). The weights are plain float tensors: drop it."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
