@@ -41,6 +41,6 @@ __all__ = ["NVFP4Error", "NVFP4Linear", "NVFP4Tensor", "__version__", "nvfp4", *
 import os as _os
 
 if _os.environ.get("FP4PTQ_TRANSFORMERS_HOOK", "1") != "0":
-    from . import hf as _hf
+    from . import _hook
 
-    _hf.register()
+    _hook.install()  # registers once transformers' quantizer table is imported (fp4ptq/_hook.py)

@@ -22,8 +22,9 @@ quantizer table with ``dispatch_quantizer``, which picks per checkpoint:
   is passed: that is the per-call way back to transformers' behaviour (dense
   dequantized weights, e.g. for fine-tuning).
 
-``import fp4ptq`` calls ``register()`` (skip it with the environment variable
-``FP4PTQ_TRANSFORMERS_HOOK=0``); ``unregister()`` and ``stock_compressed_tensors()``
+``import fp4ptq`` arranges for ``register()`` to run as soon as transformers'
+quantizer table is imported (``fp4ptq/_hook.py``; skip it with the environment
+variable ``FP4PTQ_TRANSFORMERS_HOOK=0``); ``unregister()`` and ``stock_compressed_tensors()``
 (a context manager) restore transformers' entry. Parsing the config still uses
 transformers' ``CompressedTensorsConfig``, so ``from_pretrained`` needs the
 ``compressed-tensors`` package installed; ``fp4ptq.load`` does not.
@@ -153,6 +154,12 @@ def stock_compressed_tensors():
         if was:
             register()
 
+
+from . import _hook  # noqa: E402
+
+if _hook.pending:  # transformers' table loaded during this module's own import (fp4ptq/_hook.py)
+    _hook.pending = False
+    register()
 
 __all__ = ["FP4PTQHfQuantizer", "dispatch_quantizer", "is_registered", "register", "stock_compressed_tensors",
            "unregister"]

@@ -31,6 +31,22 @@ def test_import_fp4ptq_registers_the_quantizer():
     assert hf.is_registered()
 
 
+def test_import_stays_light_and_the_hook_registers_when_transformers_loads_its_quantizers():
+    import subprocess
+    import sys
+
+    code = ("import sys, fp4ptq\n"
+            "assert 'transformers.quantizers.auto' not in sys.modules, 'import fp4ptq loaded the table'\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "AutoModelForCausalLM.from_pretrained\n"         # transformers' lazy modules load it here
+            "import transformers.modeling_utils\n"
+            "from transformers.quantizers import auto\n"
+            "print(auto.AUTO_QUANTIZER_MAPPING['compressed-tensors'].__name__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "dispatch_quantizer"
+
+
 def test_from_pretrained_builds_nvfp4_layers_with_identical_logits(w4a4):
     model, path = w4a4
     loaded = AutoModelForCausalLM.from_pretrained(path)
