@@ -219,14 +219,21 @@ def plot(report: dict, path: str | Path) -> Path:
         for j, name in enumerate(names):
             xs = [i + (j - (len(names) - 1) / 2) * bar for i in range(len(prow))]
             vals = [(r["values"][j] or 0.0) * scale for r in prow]
-            bars = ax.bar(xs, vals, bar, label=name)
-            ax.bar_label(bars, fmt="%.1f" if scale > 1 else "%.2f", fontsize=6)
+            # One standard error (lm-eval's) as error bars, where the metric has one.
+            errs = [(r["stderrs"][j] or 0.0) * scale for r in prow]
+            bars = ax.bar(xs, vals, bar, label=name, yerr=errs if any(errs) else None,
+                          error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "0.3"})
+            ax.bar_label(bars, fmt="%.1f" if scale > 1 else "%.2f", fontsize=6, padding=2)
         ax.set_xticks(range(len(prow)))
         ax.set_xticklabels([f"{r['task']}\n{r['metric']}" for r in prow], fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("fp4ptq eval")
+    # The legend goes below the panels, where it covers no bar.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(names)), fontsize=8, frameon=False)
+    fig.suptitle("fp4ptq eval" + (" (error bars: one standard error)" if any(
+        e for r in primary for e in r["stderrs"] if e) else ""))
+    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(names) - 1) // 3), 1, 1))
     out = _save_figure(fig, Path(path))
     plt.close(fig)
     return out
