@@ -152,6 +152,10 @@ def cmd_quantize(args) -> int:
             fields[name] = getattr(args, name)
     if args.ignore:
         fields["ignore"] = tuple(args.ignore)
+    if args.awq_clip:
+        fields["awq_clip"] = True
+    if args.act_order:
+        fields["gptq_act_order"] = True
     try:
         config = fp4ptq.QuantConfig(**fields)
     except ConfigError as exc:
@@ -457,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  fp4ptq quantize                                     # demo model, RTN, W4A16 (no data needed)\n"
                "  fp4ptq quantize meta-llama/Llama-3.1-8B --method gptq --four-six mse --calib c4 --device cuda\n"
-               "  fp4ptq quantize ./my-model --method awq --four-six mse --scheme w4a4 --calib calib.jsonl\n\n"
+               "  fp4ptq quantize ./my-model --method awq --four-six mse --scheme w4a4 --awq-clip --calib calib.jsonl\n\n"
                + EXIT_CODES)
     q.add_argument("model", nargs="?", metavar="MODEL", help="hub id, local HF directory or .gguf file (default: demo)")
     q.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "smoothquant", "awq+gptq",
@@ -473,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--search-nsamples", type=int,
                    help="calibration sequences the AWQ/SmoothQuant searches run on (default 16)")
     q.add_argument("--awq-grid", type=int, help="AWQ activation-exponent grid points in [0, 1) (default 20)")
+    q.add_argument("--awq-clip", action="store_true",
+                   help="AWQ: also search a clipping ratio per 16-weight block (the best W4A4 recipe in "
+                        "benchmarks/results/accuracy_smollm2_h200.md)")
+    q.add_argument("--act-order", action="store_true",
+                   help="GPTQ: process 16-column groups by decreasing Hessian diagonal")
     q.add_argument("--ignore", action="append", metavar="PATTERN",
                    help="module name/glob/re: pattern kept in high precision (repeatable; default: lm_head)")
     q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],

@@ -67,10 +67,12 @@ def test_quantize_inspect_eval_end_to_end(work, capsys):
 def test_calibrated_w4a4_recipe_and_report_reuse(work, capsys):
     ckpt = work / "ckpt-awq"
     argv = ["quantize", str(work / "src"), "--method", "awq", "--four-six", "mse", "--scheme", "w4a4",
-            "--calib", str(work / "calib.txt"), "--nsamples", "4", "--seqlen", "32", "--output", str(ckpt), "-q"]
+            "--calib", str(work / "calib.txt"), "--nsamples", "4", "--seqlen", "32", "--awq-clip",
+            "--output", str(ckpt), "-q"]
     assert cli.main(argv) == 0
     info = json.loads((ckpt / "fp4ptq_report.json").read_text())
     assert info["config"]["method"] == "awq" and info["config"]["four_six"] == "mse"
+    assert info["config"]["awq_clip"] is True and info["config"]["gptq_act_order"] is False
     assert {r["scheme"] for r in info["layers"].values()} == {"w4a4"}
     assert all(0.0 <= r["four_share"] <= 1.0 for r in info["layers"].values())
 
