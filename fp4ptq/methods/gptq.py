@@ -165,21 +165,22 @@ class _ColumnBlockRunner:
         if not self.use_graph or b != self.block_size:
             _quantize_columns(buf, *self.args)
             return buf
-        if self.graph is None:
-            # Eager first (allocator and constants warm, side stream as CUDA graphs
-            # ask), then capture: capturing does not run the kernels.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                _quantize_columns(buf, *self.args)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            # Capturing records the kernels without running them: the buffers keep
-            # the eager results of this block.
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                _quantize_columns(buf, *self.args)
-            return buf
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # the graph's streams live on the weights' GPU
+            if self.graph is None:
+                # Eager first (allocator and constants warm, side stream as CUDA graphs
+                # ask), then capture: capturing does not run the kernels.
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    _quantize_columns(buf, *self.args)
+                torch.cuda.current_stream().wait_stream(stream)
+                # Capturing records the kernels without running them: the buffers keep
+                # the eager results of this block.
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    _quantize_columns(buf, *self.args)
+                return buf
+            self.graph.replay()
         return buf
 
 
