@@ -410,7 +410,11 @@ def fake_quantize(
     name: str = "tensor",
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` in ``x``'s dtype and shape: what a
-    method optimizes against and what W4A4 simulation feeds a matmul."""
+    method optimizes against and what W4A4 simulation feeds a matmul.
+    1-D unpadded blocks go through ``fake_quantize_fused`` (the same bits, about
+    4x faster on a CPU: AWQ/SmoothQuant searches call this per candidate)."""
+    if not block_2d and not pad:
+        return fake_quantize_fused(x, four_six, amax=amax, global_enc=global_enc, name=name)
     return quantize(
         x, four_six, amax=amax, global_enc=global_enc, block_2d=block_2d, pad=pad, name=name
     ).dequantize(x.dtype)

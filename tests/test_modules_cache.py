@@ -259,3 +259,17 @@ def test_kernels_reference_uses_the_given_decoder_only_off_triton():
     y = kernels.linear_w4a4(x, layer.quantized_weight(), layer.input_amax(), layer.bias, four_six="mse",
                             backend="reference", decoded=decoder)
     assert calls == [torch.float32] and same_bits(y, uncached_reference(layer, x))
+
+
+@pytest.mark.parametrize("four_six", [None, "mse", "mae", "max"])
+def test_fake_quantize_takes_the_fused_path_with_the_same_bits(four_six, monkeypatch):
+    x = hard_activations(3)
+    expected = reference_fake_quantize(x, four_six, amax=torch.tensor(8.0))
+    calls = []
+    real = nvfp4.fake_quantize_fused
+    monkeypatch.setattr(nvfp4, "fake_quantize_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert same_bits(nvfp4.fake_quantize(x, four_six, amax=torch.tensor(8.0)), expected) and calls
+    # 2-D blocks and padding keep the packer's path.
+    calls.clear()
+    nvfp4.fake_quantize(x, four_six, block_2d=True)
+    assert not calls
