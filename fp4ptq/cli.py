@@ -130,12 +130,20 @@ def _recipe_text(config: Optional[dict]) -> Optional[str]:
     if not config:
         return None
     four_six = f", 4/6 {config['four_six']}" if config.get("four_six") else ""
-    return f"{config['method']}{four_six}, {config['scheme']}"
+    return f"{config['method']}{_options(config, ' + ')}{four_six}, {config['scheme']}"
+
+
+def _options(config: dict, sep: str) -> str:
+    """The non-default search options that change the result: AWQ clipping, GPTQ act-order."""
+    opts = [name for key, name in (("awq_clip", "clip"), ("gptq_act_order", "act-order"))
+            if config.get(key) and (key != "awq_clip" or "awq" in config["method"])
+            and (key != "gptq_act_order" or "gptq" in config["method"])]
+    return "".join(sep + o for o in opts)
 
 
 def _recipe_slug(config) -> str:
     four_six = f"-46{config.four_six}" if config.four_six else ""
-    return f"{config.method.replace('+', '-')}{four_six}-{config.scheme}"
+    return f"{config.method.replace('+', '-')}{_options(config.to_dict(), '-')}{four_six}-{config.scheme}"
 
 
 # ---------------------------------------------------------------------------- quantize

@@ -130,3 +130,14 @@ def test_usage_and_missing_model_exit_codes(work, capsys):
     assert "nope.gguf does not exist" in capsys.readouterr().err
     assert cli.main(["inspect", str(work / "src")]) == cli.EXIT_MISSING
     assert "fp4ptq_report.json not found" in capsys.readouterr().err
+
+
+def test_recipe_names_carry_the_options_that_change_the_result():
+    from fp4ptq import QuantConfig
+
+    clip = QuantConfig(method="awq", four_six="mse", scheme="w4a4", awq_clip=True)
+    assert cli._recipe_slug(clip) == "awq-clip-46mse-w4a4"
+    assert cli._recipe_text(clip.to_dict()) == "awq + clip, 4/6 mse, w4a4"
+    assert cli._recipe_slug(QuantConfig(method="gptq", gptq_act_order=True)) == "gptq-act-order-w4a16"
+    # An option the method does not use is not named.
+    assert cli._recipe_slug(QuantConfig(method="rtn", awq_clip=True)) == "rtn-w4a16"
