@@ -230,10 +230,11 @@ def plot(report: dict, path: str | Path) -> Path:
         ax.grid(axis="y", alpha=0.3)
     # The legend goes below the panels, where it covers no bar.
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(names)), fontsize=8, frameon=False)
+    ncol = len(names) if len(names) <= 4 else 3
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle("fp4ptq eval" + (" (error bars: one standard error)" if any(
         e for r in primary for e in r["stderrs"] if e) else ""))
-    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(names) - 1) // 3), 1, 1))
+    fig.tight_layout(rect=(0, 0.08 + 0.04 * ((len(names) - 1) // ncol), 1, 1))
     out = _save_figure(fig, Path(path))
     plt.close(fig)
     return out
