@@ -168,6 +168,48 @@ def test_w4a16_matches_dequantized_matmul(tk, dtype, path, shapes):
 
 
 @interpreted
+@pytest.mark.parametrize("m,n,k", [(1, 40, 80), (2, 33, 48), (1, 17, 1040), (1, 40, 768), (2, 37, 1792)])
+def test_gemv6_matches_dequantized_matmul(tk, m, n, k):
+    """Resident-x GEMV, one segment (K masked to a power of two) and split K
+    (768 = 3 x 256, 1792 = 7 x 256 through the fp32 workspace), with a bias and
+    x not 8-byte aligned (a view one element in: copied first)."""
+    _, gm = tk
+    wq = _weight(n, k, seed=n)
+    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    for x in (big[:, :k].contiguous(), big[:, 1:]):
+        ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert _rel(y, ref) < 1e-2, (m, n, k)
+    assert gm._gemv6_config(m, n, k)[3] in ((256,) if k in (768, 1792) else (k,))
+    with pytest.raises(nvfp4.NVFP4Error, match="bf16"):
+        gm.linear_w4a16(x.half(), wq, path="gemv6")
+
+
+@interpreted
+@pytest.mark.parametrize("four_six", [None, "mse"])
+def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypatch, four_six):
+    """W4A4 with the activations quantized in the GEMV's prologue gives the same
+    bits as the quantize kernel followed by the GEMV (both K layouts), and fp16
+    activations take the fused path too (the quantized operand is bf16-exact)."""
+    _, gm = tk
+    for n, k in ((33, 160), (21, 768)):
+        wq = _weight(n, k, seed=k)
+        x = _activations(2, k, torch.bfloat16, seed=k)
+        amax = torch.tensor(3.0)
+        monkeypatch.setattr(gm, "W4A4_FUSED", True)
+        fused = gm.linear_w4a4(x, wq, amax, four_six=four_six, path="gemv6")
+        monkeypatch.setattr(gm, "W4A4_FUSED", False)
+        separate = gm.linear_w4a4(x, wq, amax, four_six=four_six, path="gemv6")
+        assert torch.equal(fused, separate), (n, k)
+        monkeypatch.setattr(gm, "W4A4_FUSED", True)
+        ref = kernels.linear_w4a4(x.half().float(), wq, amax, four_six=four_six, backend="reference")
+        assert _rel(gm.linear_w4a4(x.half(), wq, amax, four_six=four_six, path="gemv6"), ref) < 1e-2
+
+
+@interpreted
 def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
     """The swapped-operand tiling (y^T = W x^T) computes the same product."""
     _, gm = tk
@@ -182,7 +224,8 @@ def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
-@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv4", 2), ("gemv5", 1), ("gemm", 19), ("cublas", 6)])
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv4", 2), ("gemv5", 1), ("gemv6", 2), ("gemm", 19),
+                                    ("cublas", 6)])
 def test_w4a4_matches_reference(tk, four_six, path, m):
     _, gm = tk
     n, k = 36, 160
@@ -215,8 +258,8 @@ def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkey
 
 
 @interpreted
-def test_gemv5_bf16_pairs_match_dequantized_matmul_on_all_codes(tk):
-    """Packed bf16x2 GEMV (emulated under the interpreter): every code incl.
+def test_bf16x2_gemvs_match_dequantized_matmul_on_all_codes(tk):
+    """Packed bf16x2 GEMVs (emulated under the interpreter): every code incl.
     0.5 (a bf16 subnormal in the decode) and subnormal E4M3 scales; its bf16
     block sums stay within the 1e-2 tolerance."""
     _, gm = tk
@@ -226,7 +269,7 @@ def test_gemv5_bf16_pairs_match_dequantized_matmul_on_all_codes(tk):
                           torch.tensor(7.5), torch.Size((6, 64)), torch.bfloat16)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ w.dequantize(torch.float32).T
-    for path in ("gemv4", "gemv5"):
+    for path in ("gemv4", "gemv5", "gemv6"):
         out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
         err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
         assert float(err.max()) < 1e-2, (path, err)
@@ -234,17 +277,17 @@ def test_gemv5_bf16_pairs_match_dequantized_matmul_on_all_codes(tk):
 
 @interpreted
 def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
-    """M <= GEMV_MAX_M: packed bf16x2 GEMV for bf16 activations, the fp32 one for fp16."""
+    """M <= GEMV_MAX_M: the resident-x bf16x2 GEMV for bf16 activations, the fp32 one for fp16."""
     _, gm = tk
     seen = []
-    for name in ("_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_gemm_kernel"):
+    for name in ("_gemv_resident_kernel", "_gemv_blocks_kernel", "_gemm_kernel"):
         kern = getattr(gm, name)
         monkeypatch.setattr(gm, name, type("K", (), {"__getitem__": lambda self, grid, n=name, k=kern: (
             seen.append(n) or k[grid])})())
     wq = _weight(24, 64, seed=2)
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
-    assert seen == ["_gemv_bf16x2_kernel", "_gemv_blocks_kernel", "_gemm_kernel"]
+    assert seen == ["_gemv_resident_kernel", "_gemv_blocks_kernel", "_gemm_kernel"]
 
 
 @interpreted
@@ -257,5 +300,5 @@ def test_gemvs_take_packed_codes_at_an_unaligned_address(tk):
     shifted = nvfp4.NVFP4Tensor(buf[3:].view(12, 32), wq.block_scale, wq.global_enc, wq.shape, wq.dtype)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     ref = x.float() @ wq.dequantize(torch.float32).T
-    for path in ("gemv4", "gemv5", "gemm"):
+    for path in ("gemv4", "gemv5", "gemv6", "gemm"):
         assert _rel(gm.linear_w4a16(x, shifted, path=path), ref) < 1e-2, path

@@ -9,9 +9,10 @@ before the kernel modules are imported) ``backend="triton"`` runs the same
 kernels on CPU tensors: that is how the tests check them without a GPU.
 
 Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``)
-and ``gemm.py`` (W4A16 GEMVs for M <= 2 (packed bf16x2 for bf16 activations,
-fp32 for fp16), tiled GEMM for M <= 63, dequantize + cuBLAS above; W4A4 on
-the same paths after quantizing the activations).
+and ``gemm.py`` (W4A16 GEMVs for M <= 2 (packed bf16x2 with the activation
+row held in registers for bf16 activations, fp32 for fp16), tiled GEMM for
+M <= 63, dequantize + cuBLAS above; W4A4 on the same paths after quantizing
+the activations).
 """
 from __future__ import annotations
 

@@ -2,10 +2,13 @@
 dequantize + cuBLAS for prefill) and W4A4 (activations quantized on the fly).
 
 Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
-dtype, see the shape rules below): ``gemv5`` packed bf16x2 GEMV (M <= 2, bf16
-activations), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv`` the first GEMV
-(kept for comparison), ``gemm`` tiled GEMM (M <= 63), ``cublas`` dequantize +
-cuBLAS (M >= 64). Timings: benchmarks/results/kernels_h200.md.
+dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
+activation row resident in registers and persistent programs over row tiles
+(M <= 2, bf16 activations; K split into power-of-two segments when it is not
+one), ``gemv5`` its predecessor (x re-read every step), ``gemv4`` fp32 GEMV
+(M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``gemm`` tiled
+GEMM (M <= 63), ``cublas`` dequantize + cuBLAS (M >= 64). Timings:
+benchmarks/results/kernels_h200.md.
 
 Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
 as int32 words of 8 codes or int64 blocks of 16; ``weight_scale [N, K/16]``
@@ -35,7 +38,7 @@ fp16, so the tiled GEMM multiplies exactly-decoded weights (the global
 ``1/global_enc`` is applied once to the fp32 accumulator). W4A4 feeds the
 same GEMMs with ``v_x * scale_x`` activations from the quantize kernel (exact
 too), so every product is an exact NVFP4 x NVFP4 product, accumulated in fp32.
-The exception is ``gemv5``: it sums each block's 16 products in bf16 (packed
+The exception is ``gemv5``/``gemv6``: they sum each block's 16 products in bf16 (packed
 ``fma.rn.bf16x2``; ~2^-9 relative per block sum, ~4e-3 on the outputs measured)
 before fp32 takes over; under the Triton interpreter that FMA is emulated.
 """
@@ -51,6 +54,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
+from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
 FP16_MAG = tl.constexpr(0x0E000E00)    # fp16 exponent/mantissa bits 9..11 of both halves
@@ -137,13 +141,19 @@ def decode_tile(words, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: 
 
 
 @triton.jit
-def _output_scale(y, wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.constexpr):
-    """``y * POW2 / global_enc_w (/ global_enc_x)`` in fp32: one correctly
-    rounded scalar ``POW2 / global_enc`` per program, one multiply per output."""
+def _output_factor(wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.constexpr):
+    """``POW2 / (global_enc_w (* global_enc_x))``: one correctly rounded fp32 scalar."""
     enc = tl.load(wenc_ptr)
     if HAS_XENC:
         enc = enc * tl.load(xenc_ptr)
-    return y * tl.math.div_rn(enc * 0.0 + POW2, enc)
+    return tl.math.div_rn(enc * 0.0 + POW2, enc)
+
+
+@triton.jit
+def _output_scale(y, wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.constexpr):
+    """``y * POW2 / global_enc_w (/ global_enc_x)`` in fp32: one correctly
+    rounded scalar ``POW2 / global_enc`` per program, one multiply per output."""
+    return y * _output_factor(wenc_ptr, xenc_ptr, POW2, HAS_XENC)
 
 
 # --------------------------------------------------------------------------- #
@@ -303,6 +313,15 @@ def _bf16_bits(v):
 
 
 @triton.jit
+def _x_pair(x_lo, x_hi):
+    """Two fp32 activations (bf16 values) -> one int32 holding bf16(x_lo * 2^64)
+    (low half) and bf16(x_hi * 2^64) (high half): exact below 2^64."""
+    xl = _bf16_bits(x_lo * 18446744073709551616.0) & 0xFFFF
+    xh = _bf16_bits(x_hi * 18446744073709551616.0) << 16
+    return xl | xh
+
+
+@triton.jit
 def _gemv_bf16x2_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
@@ -344,14 +363,11 @@ def _gemv_bf16x2_kernel(
                 xs = xrow + bidx * 16 + 8 * h
             for i in tl.static_range(4):
                 if X_WORDS:
-                    x_lo = _bf16_lane(((xa >> (16 * i)) & 0xFFFF).to(tl.int32), 0)
-                    x_hi = _bf16_lane(((xb >> (16 * i)) & 0xFFFF).to(tl.int32), 0)
+                    xp = _x_pair(_bf16_lane(((xa >> (16 * i)) & 0xFFFF).to(tl.int32), 0),
+                                 _bf16_lane(((xb >> (16 * i)) & 0xFFFF).to(tl.int32), 0))
                 else:
-                    x_lo = tl.load(xs + i).to(tl.float32)
-                    x_hi = tl.load(xs + i + 4).to(tl.float32)
-                xl = _bf16_bits(x_lo * 18446744073709551616.0) & 0xFFFF
-                xh = _bf16_bits(x_hi * 18446744073709551616.0) << 16
-                part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), (xl | xh)[None, :], part, EMULATE)
+                    xp = _x_pair(tl.load(xs + i).to(tl.float32), tl.load(xs + i + 4).to(tl.float32))
+                part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), xp[None, :], part, EMULATE)
         acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
     y = tl.sum(acc, axis=1)
     # acc = sum v * x * scale * 2^-62 * 2^-8
@@ -359,6 +375,130 @@ def _gemv_bf16x2_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + n).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --------------------------------------------------------------------------- #
+# GEMV v6: x resident in registers, persistent programs over row tiles
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _x_pairs_from_words(xw, bidx, b_ok, h: tl.constexpr):
+    """bf16x2 x registers of half ``h`` of blocks ``bidx``: four ``[KBP]`` int32,
+    pair i = (x[16b + 8h + i], x[16b + 8h + i + 4]) * 2^64, from the block's
+    int64 words 2h (elements 0..3 of the half) and 2h + 1 (elements 4..7)."""
+    lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)
+    hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)
+    p0 = _x_pair(_bf16_lane((lo & 0xFFFF).to(tl.int32), 0), _bf16_lane((hi & 0xFFFF).to(tl.int32), 0))
+    p1 = _x_pair(_bf16_lane(((lo >> 16) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 16) & 0xFFFF).to(tl.int32), 0))
+    p2 = _x_pair(_bf16_lane(((lo >> 32) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 32) & 0xFFFF).to(tl.int32), 0))
+    p3 = _x_pair(_bf16_lane(((lo >> 48) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 48) & 0xFFFF).to(tl.int32), 0))
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _x_pairs_from_values(v, KBP: tl.constexpr):
+    """``[KBP, 8]`` fp32 (one half of each block, bf16-exact values) -> the four
+    bf16x2 pair registers of ``_x_pairs_from_words``."""
+    bits = _bf16_bits(v * 18446744073709551616.0) & 0xFFFF
+    lo, hi = tl.split(tl.permute(tl.reshape(bits, (KBP, 2, 4)), (0, 2, 1)))  # elements i, i + 4
+    packed = tl.reshape(lo | (hi << 16), (KBP, 2, 2))  # [b, u, c]: pair i = 2u + c
+    even, odd = tl.split(packed)
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _gemv_resident_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
+    EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
+    # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
+    # once per program, then the program walks row tiles (grid-stride, about
+    # a few programs per SM) and reads nothing but weights in its loop. The
+    # tile is [ROWS, KBP] blocks (KBP = K/16 rounded up to a power of two,
+    # masked); each thread holds whole blocks of every row of the tile, so x
+    # pairs are reused across ROWS rows with no shared-memory traffic. gemv5's
+    # limit was L1 (ncu: 90.7% L1/TEX, x re-read per step and per row tile).
+    # QUANT_X (W4A4): x is quantized here under the static amax at
+    # ``xenc_ptr`` (the quantize kernel's code, the same bits) before packing.
+    # SPLIT: K is cut into segments of KBP blocks (grid axis 2, no masking);
+    # each program writes its scaled partial sums to the fp32 workspace at
+    # ``y_ptr`` ([segments, M, N]) and ``_gemv_split_finish`` adds them up.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row = tl.program_id(1).to(tl.int64)
+    kb = K // 16
+    if ALIGNED:
+        kb = tl.multiple_of(kb, 16)
+    if SPLIT:
+        seg = tl.program_id(2)
+        ab = seg * KBP + tl.arange(0, KBP)
+    else:
+        ab = tl.arange(0, KBP)
+    b_ok = ab < kb
+    bidx = tl.where(b_ok, ab, 0)
+    xrow = x_ptr + row * stride_xm
+    if QUANT_X:
+        offs = bidx[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        m3 = b_ok[None, :, None]
+        xa = tl.load(xrow + offs, mask=m3, other=0.0).to(tl.float32)      # [1, KBP, 8]
+        xb = tl.load(xrow + offs + 8, mask=m3, other=0.0).to(tl.float32)
+        x_enc = global_enc_from_amax(tl.load(xenc_ptr), FOUR_SIX)
+        ia, ib, scale, _bits, _four = quantize_halves(xa, xb, x_enc, FOUR_SIX)
+        va = tl.reshape(signed_scaled(ia, xa, scale), (KBP, 8))
+        vb = tl.reshape(signed_scaled(ib, xb, scale), (KBP, 8))
+        p00, p01, p02, p03 = _x_pairs_from_values(va, KBP)
+        p10, p11, p12, p13 = _x_pairs_from_values(vb, KBP)
+        enc = tl.load(wenc_ptr) * x_enc
+        factor = tl.math.div_rn(enc * 0.0 + 1.1805916207174113e21, enc)  # 2^70 / (enc_w * enc_x)
+    else:
+        xw = xrow.to(tl.pointer_type(tl.int64))
+        p00, p01, p02, p03 = _x_pairs_from_words(xw, bidx, b_ok, 0)
+        p10, p11, p12, p13 = _x_pairs_from_words(xw, bidx, b_ok, 1)
+        factor = _output_factor(wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
+    ar = tl.arange(0, ROWS)
+    for t in range(pid, tl.cdiv(N, ROWS), nprog):
+        n = t * ROWS + ar
+        n_ok = n < N
+        n = tl.where(n_ok, n, 0).to(tl.int64)
+        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
+        w = blk.to(tl.int32)  # codes 0..7 of each block
+        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
+        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01[None, :], part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02[None, :], part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03[None, :], part, EMULATE)
+        w = (blk >> 32).to(tl.int32)  # codes 8..15
+        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10[None, :], part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11[None, :], part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12[None, :], part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13[None, :], part, EMULATE)
+        acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+        y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
+        if SPLIT:
+            tl.store(y_ptr + (seg * M + row) * N + n, y, mask=n_ok)
+        else:
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + n).to(tl.float32)
+            tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_split_finish(part_ptr, bias_ptr, y_ptr, M, N, SEGMENTS, stride_ym, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``y[m, n] = sum_s part[s, m, n] (+ bias)`` in fp32, in segment order, cast to y's dtype."""
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SEGMENTS):
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- #
@@ -492,9 +632,13 @@ def _weight_views(weight: NVFP4Tensor):
 # otherwise), and the smallest M from which dequantize + cuBLAS beats the
 # fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
-GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv5")
+GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv6")
 # gemv5 reads x as 8-byte words (4 vector loads per 16-code block) rather than 16 scalar loads.
 GEMV5_X_WORDS = os.environ.get("FP4PTQ_GEMV5_X_WORDS", "1") == "1"
+# W4A4 on the gemv6 path with the activations quantized inside the GEMV (one launch). Off:
+# the quantize prologue's registers (143) cost more occupancy than the launch it saves
+# (session-4 H200 sweep: 1.1-1.5x slower than the quantize kernel + gemv6 on every shape).
+W4A4_FUSED = os.environ.get("FP4PTQ_W4A4_FUSED", "0") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -531,6 +675,57 @@ def _gemv5_config(m: int, n: int, k: int):
     return _gemv4_config(m, n, k)
 
 
+def _gemv6_config(m: int, n: int, k: int):
+    """(ROWS, num_warps, programs per SM, K segment) of the resident-x GEMV, the
+    rule the session-4 H200 sweeps picked (results/sweep_h200_s4_round*.json):
+    K in segments of its largest power-of-two divisor up to 4096 (K = 8192 runs
+    as two), warps so that each thread holds four blocks of a row
+    (segment / 2048), 8 rows a step for single-segment layers narrower than
+    16384 and 4 otherwise, 8 programs per SM (16 when K is split)."""
+    seg = k & -k  # the largest power of two dividing K
+    seg = k if seg < 256 else min(seg, 4096)  # K % 256 != 0: one segment, masked to a power of two
+    kbp = triton.next_power_of_2(max(1, seg // 16))
+    split = k // seg > 1
+    rows = 4 if split or n >= 16384 else 8
+    return rows, max(1, min(8, kbp // 128)), 16 if split else 8, seg
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a grid-stride loop with more than one program
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
+           four_six=None):
+    """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
+    K in segments (config) through an fp32 workspace and a summing pass."""
+    rows, warps, per_sm, seg = _gemv6_config(m, n, k)
+    if k % seg or seg % 16:
+        raise ValueError(f"gemv6: K segment {seg} does not divide K={k} into whole blocks")
+    segments = k // seg
+    kbp = triton.next_power_of_2(max(1, seg // 16))
+    if segments > 1 and kbp != seg // 16:
+        raise ValueError(f"gemv6: a K segment ({seg}) must be a power-of-two number of blocks")
+    tiles = triton.cdiv(n, rows)
+    grid = (max(1, min(tiles, triton.cdiv(per_sm * _sm_count(x2.device), segments))), m, segments)
+    quant = amax is not None
+    split = segments > 1
+    target = torch.empty(segments, m, n, dtype=torch.float32, device=y.device) if split else y
+    _gemv_resident_kernel[grid](
+        x2, words.view(torch.int64), sbits, enc, amax if quant else xenc_arg, bias_arg, target, m, n, k,
+        x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
+        EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
+        FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
+        enable_fp_fusion=not quant,
+    )
+    if split:
+        block = 1024
+        _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias_arg, y, m, n, segments, y.stride(0),
+                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+    return y
+
+
 def _gemv_config(m: int, n: int, k: int):
     """(BLOCK_N, BLOCK_W, num_warps): one-warp programs of 4 rows for wide
     layers, 4-warp programs of 16 rows for narrow ones (H200 sweeps)."""
@@ -554,10 +749,19 @@ def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = F
     return out
 
 
+def _auto_path(m: int, dtype: torch.dtype, w4a4: bool) -> str:
+    """The path the shape rules pick for M rows of ``dtype`` activations."""
+    if m <= GEMV_MAX_M:
+        return GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+    return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
+
+
 def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Optional[str] = None,
-            out: Optional[torch.Tensor] = None):
+            out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
+            four_six: Optional[str] = None):
     """``x2 [M, K] @ dequant(weight).T`` (/ x_enc) + bias -> [M, N] in x2's dtype
-    (written into ``out`` when given: tests poison it first)."""
+    (written into ``out`` when given: tests poison it first). ``amax`` (path
+    "gemv6" only): x is raw and quantized inside the GEMV (W4A4, ``four_six``)."""
     n, k, words, sbits, enc = _weight_views(weight)
     m = x2.shape[0]
     if x2.shape[1] != k:
@@ -567,11 +771,9 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if path is None:
-        cublas_from = CUBLAS_MIN_M if x_enc is None else CUBLAS_MIN_M_W4A4
-        if m <= GEMV_MAX_M:
-            path = GEMV_PATH if x2.dtype == torch.bfloat16 or GEMV_PATH != "gemv5" else "gemv4"
-        else:
-            path = "cublas" if m >= cublas_from else "gemm"
+        path = _auto_path(m, x2.dtype, x_enc is not None)
+    if amax is not None and path != "gemv6":
+        raise ValueError(f"quantizing activations inside the GEMM is the gemv6 path's, not {path!r}'s")
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
     if y.shape != (m, n) or y.dtype != x2.dtype or y.stride(1) != 1:
         raise ValueError(f"out must be a [{m}, {n}] {x2.dtype} tensor with unit last stride")
@@ -591,6 +793,14 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         torch.mm(x2, w.t(), out=y)
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
+    if path == "gemv6":
+        if amax is None:
+            if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
+                raise nvfp4.NVFP4Error(f"the gemv6 path takes bf16 activations, got {x2.dtype}")
+            if x2.data_ptr() % 8 or x2.stride(0) % 4:  # x is read as 8-byte words
+                x2 = x2.clone(memory_format=torch.contiguous_format)
+        return _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, amax=amax,
+                      four_six=four_six)
     if path in ("gemv4", "gemv5"):
         block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
@@ -649,8 +859,20 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     x2 = x.reshape(-1, x.shape[-1])
     if not torch.is_tensor(input_amax):
         input_amax = torch.tensor(float(input_amax))
-    xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax.to(x.device), four_six)
-    y = _matmul(xs, weight, bias, x_enc, path=path, out=out)
+    input_amax = input_amax.to(device=x.device, dtype=torch.float32)
+    if four_six not in quantize_kernel.FOUR_SIX_CODES:
+        raise nvfp4.NVFP4Error(f"unknown Four Over Six rule {four_six!r}; choose one of {nvfp4.FOUR_SIX_RULES}")
+    if path is None:
+        path = _auto_path(x2.shape[0], x2.dtype, True)
+        if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
+            path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
+    if path == "gemv6" and W4A4_FUSED:  # quantize inside the GEMV: one launch
+        if x2.shape[-1] % BLOCK_SIZE:
+            raise nvfp4.NVFP4Error(f"W4A4: activation last dim {x2.shape[-1]} is not a multiple of {BLOCK_SIZE}")
+        y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
+    else:
+        xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six)
+        y = _matmul(xs, weight, bias, x_enc, path=path, out=out)
     return y.reshape(*lead, y.shape[-1])
 
 

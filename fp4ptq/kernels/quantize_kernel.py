@@ -220,6 +220,14 @@ def _pack_word(index, x):
 
 
 @triton.jit
+def signed_scaled(index, x, scale):
+    """``sign(x) * v * block_scale`` in fp32 for halves ``[BM, NB, 8]``: the W4A4
+    operand, exact (``v`` has 2 significant bits and the e4m3 scale 4)."""
+    value = e2m1_value(index) * scale[:, :, None]
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -value, value)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, amax_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xm, stride_sm,
@@ -256,12 +264,8 @@ def _quantize_kernel(
             tl.store(chose_ptr + sofs, chose_four.to(tl.int8), mask=mask2)
     if EMIT_SCALED:
         qofs = rows64[:, None, None] * stride_sm + (blocks * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
-        value = e2m1_value(ia) * scale[:, :, None]  # exact: 2 x 4 significant bits
-        value = tl.where(xa.to(tl.int32, bitcast=True) < 0, -value, value)
-        tl.store(scaled_ptr + qofs, value.to(scaled_ptr.dtype.element_ty), mask=mask3)
-        value = e2m1_value(ib) * scale[:, :, None]
-        value = tl.where(xb.to(tl.int32, bitcast=True) < 0, -value, value)
-        tl.store(scaled_ptr + qofs + 8, value.to(scaled_ptr.dtype.element_ty), mask=mask3)
+        tl.store(scaled_ptr + qofs, signed_scaled(ia, xa, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
+        tl.store(scaled_ptr + qofs + 8, signed_scaled(ib, xb, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
 
 
 def _tile(m: int, k: int) -> tuple[int, int, int]:
