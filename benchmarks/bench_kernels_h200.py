@@ -84,7 +84,9 @@ def correctness(res, gm, qk):
     xa = torch.randn(16, 256, device=dev, generator=g)
     ref = xa @ w.dequantize(torch.float32).T
     for dt in (torch.bfloat16, torch.float16):
-        for path in ("gemv", "gemv4", "gemv5", "gemm"):
+        for path in ("gemv", "gemv4", "gemv5", "gemv6", "gemm"):
+            if path == "gemv6" and dt != torch.bfloat16:
+                continue
             for rows in ((1,) if path.startswith("gemv") else (1, 16)):
                 try:
                     out[f"all_codes.{path}[{dt},M={rows}]"] = _rel(
@@ -96,7 +98,7 @@ def correctness(res, gm, qk):
     xb = torch.randn(16, 2064, device=dev, generator=g)
     bias = torch.randn(1000, device=dev, generator=g).bfloat16()
     refb = xb @ wq.dequantize(torch.float32).T + bias.float()
-    for path in ("gemv4", "gemv5", "gemm"):
+    for path in ("gemv4", "gemv5", "gemv6", "gemm"):
         for rows in ((1, 2) if path.startswith("gemv") else (7, 16)):
             try:
                 out[f"odd_shape.{path}[M={rows}]"] = _rel(gm.linear_w4a16(xb[:rows].bfloat16(), wq, bias, path=path),
@@ -249,7 +251,7 @@ def main_gpu():
     # ---- quantize kernel tiles ----
     phases = os.environ.get("PHASES", "quant").split(",")
     orig_tile = qk._tile
-    for m, k in ((8192, 4096), (8192, 14336)) if "quant" in phases else ():
+    for m, k in ((8192, 4096), (8192, 14336)) if "quant_tiles" in phases else ():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         amax = x.float().abs().amax()
         for tile in ((8, 32, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (16, 64, 8), (64, 16, 8), (4, 64, 4),
@@ -302,8 +304,9 @@ def main_gpu():
             amax = x.float().abs().amax() * 0.9  # a static activation amax (some saturation)
             ours = {"ours_w4a16": lambda x=x: gm.linear_w4a16(x, wq)}
             if m <= 2:
-                for p_ in ("gemv", "gemv4", "gemv5"):
+                for p_ in ("gemv4", "gemv5", "gemv6"):
                     ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
+                ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
             ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
@@ -397,7 +400,7 @@ def report(path):
     if res.get("provenance"):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
-             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemm", "ours_w4a16_cublas", "ours_w4a4",
+             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_gemm", "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
     present = [i for i in impls if any(r["impl"] == i for r in rows)]
     lines += ["## Time per call (us); speedup over cuBLAS bf16 in brackets", "",
