@@ -210,6 +210,27 @@ def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypat
 
 
 @interpreted
+def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
+    """Programs per SM above what fits at once round down to whole waves of
+    resident programs (a partial second wave ran 1.5x slower on the H200)."""
+    _, gm = tk
+    grids = []
+    kern = gm._gemv_resident_kernel
+    monkeypatch.setattr(gm, "_gemv_resident_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (grids.append(grid) or kern[grid])})())
+    monkeypatch.setattr(gm, "_gemv6_config", lambda m, n, k: (1, 1, 8, k))
+    monkeypatch.setattr(gm, "_sm_count", lambda device: 2)
+    monkeypatch.setattr(gm, "_resident_programs", lambda *a: 3)
+    wq = _weight(40, 64, seed=3)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = x.float() @ wq.dequantize(torch.float32).T
+    for whole, programs in ((True, 12), (False, 16)):  # 8 per SM -> two waves of 3 -> 6 per SM
+        monkeypatch.setattr(gm, "GEMV6_WHOLE_WAVES", whole)
+        assert _rel(gm.linear_w4a16(x, wq, path="gemv6"), ref) < 1e-2
+        assert grids[-1] == (programs, 1, 1)
+
+
+@interpreted
 def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
     """The swapped-operand tiling (y^T = W x^T) computes the same product."""
     _, gm = tk

@@ -635,6 +635,8 @@ GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
 GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv6")
 # gemv5 reads x as 8-byte words (4 vector loads per 16-code block) rather than 16 scalar loads.
 GEMV5_X_WORDS = os.environ.get("FP4PTQ_GEMV5_X_WORDS", "1") == "1"
+# register cap of the gemv6 kernel (None: the compiler's; a cap of 64 spilled and ran 1.5-2.5x slower)
+GEMV6_MAXNREG = int(os.environ.get("FP4PTQ_GEMV6_MAXNREG", 0)) or None
 # W4A4 on the gemv6 path with the activations quantized inside the GEMV (one launch). Off:
 # the quantize prologue's registers (143) cost more occupancy than the launch it saves
 # (session-4 H200 sweep: 1.1-1.5x slower than the quantize kernel + gemv6 on every shape).
@@ -696,6 +698,40 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_RESIDENT: dict = {}
+
+
+def _resident_programs(args, grid, kwargs, device: torch.device) -> Optional[int]:
+    """How many programs of this gemv6 build fit on one SM at once (registers,
+    warps, shared memory), read from the compiled kernel; None if unknown.
+    Cached per build. The session-4 configs were tuned where the kernel took
+    127 registers (8 two-warp programs per SM, Triton 3.6); another compiler
+    can allocate differently, and a grid just over a whole wave leaves a
+    mostly idle second one (measured: 118 us instead of 81 on 70B.gate_up)."""
+    if INTERPRET or device.type != "cuda":
+        return None
+    key = (device.index, args[0].dtype, args[6].dtype, tuple(sorted(kwargs.items())))
+    if key not in _RESIDENT:
+        try:
+            compiled = _gemv_resident_kernel.warmup(*args, grid=grid, **kwargs)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            warps = kwargs["num_warps"]
+            regs = -(-compiled.n_regs // 8) * 8 * 32 * warps  # registers go out in 8-per-thread steps
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs)
+            smem = compiled.metadata.shared
+            by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem if smem else 32
+            by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+            _RESIDENT[key] = max(1, min(by_regs, by_smem, by_warps, 32))
+        except Exception:  # noqa: BLE001 - an introspection API that moved: keep the configured grid
+            _RESIDENT[key] = None
+    return _RESIDENT[key]
+
+
+# gemv6 grids are cut to whole waves of resident programs (off: the configured programs per SM as given)
+GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
+
+
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
            four_six=None):
     """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
@@ -708,17 +744,25 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     if segments > 1 and kbp != seg // 16:
         raise ValueError(f"gemv6: a K segment ({seg}) must be a power-of-two number of blocks")
     tiles = triton.cdiv(n, rows)
-    grid = (max(1, min(tiles, triton.cdiv(per_sm * _sm_count(x2.device), segments))), m, segments)
     quant = amax is not None
     split = segments > 1
     target = torch.empty(segments, m, n, dtype=torch.float32, device=y.device) if split else y
-    _gemv_resident_kernel[grid](
-        x2, words.view(torch.int64), sbits, enc, amax if quant else xenc_arg, bias_arg, target, m, n, k,
-        x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
-        EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
-        FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
-        enable_fp_fusion=not quant,
-    )
+    args = (x2, words.view(torch.int64), sbits, enc, amax if quant else xenc_arg, bias_arg, target, m, n, k,
+            x2.stride(0), y.stride(0))
+    kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
+                  EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
+                  FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
+                  enable_fp_fusion=not quant)
+    if GEMV6_MAXNREG and not INTERPRET:
+        kwargs["maxnreg"] = GEMV6_MAXNREG
+    sms = _sm_count(x2.device)
+    programs = per_sm * sms
+    if GEMV6_WHOLE_WAVES:
+        fit = _resident_programs(args, (1, m, segments), kwargs, x2.device)
+        if fit is not None and per_sm > fit:
+            programs = (per_sm // fit) * fit * sms  # whole waves only
+    grid = (max(1, min(tiles, triton.cdiv(programs, segments))), m, segments)
+    _gemv_resident_kernel[grid](*args, **kwargs)
     if split:
         block = 1024
         _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias_arg, y, m, n, segments, y.stride(0),
