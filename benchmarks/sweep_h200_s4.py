@@ -13,7 +13,16 @@
     PEERS_DIR=.peers ROUND=2 python3 benchmarks/sweep_h200_s4.py  # $OUT/sweep_h200_s4_round2.json
 
 Round 1 swept (ROWS, warps, programs per SM) with K whole; round 2 adds K
-segments (split-K through an fp32 workspace) and runs W4A4 on the best config.
+segments (split-K through an fp32 workspace) and runs W4A4 on the best config;
+round 3 added a software-pipelined row loop (5th element: ``tl.range``
+num_stages; slower, so that option was removed from the kernel after the run:
+re-running round 3 now times the stages-1 variant three times); round 4 times
+the shipped tiles over programs per SM and a register cap (5th element:
+``maxnreg``, 0 = none); round 5 re-swept rows, warps and programs per SM on a variant whose scale
+loads took the code loads' layout (index ``(ab // 4) * 4 + ab % 4``: no
+conversion in the loop, 72 instead of 127 registers under Triton 3.6); it was
+not faster at the best configs and was not kept, so round 5 now re-times the
+shipped kernel.
 """
 from __future__ import annotations
 
@@ -66,6 +75,7 @@ def main() -> int:
         return w.bfloat16()
 
     orig6 = gm._gemv6_config
+    gm.GEMV6_WHOLE_WAVES = False  # the configs' programs per SM as given (rounds 1-5 ran before the wave cut)
     best6 = {}
     if "gemv6" in phases:
         for name, (n, k) in SHAPES.items():
@@ -77,6 +87,13 @@ def main() -> int:
                 cfgs = [c + (1,) for c in itertools.product((2, 4, 8), (1, 2, 4, 8), (4, 8), segs)
                         if (c[3] // 16) // 32 >= c[1] and (c[3] // 16) // (32 * c[1]) <= 8]
                 cfgs.append(orig6(1, n, k))
+            elif ROUND == 4:  # the shipped rule's tiles, programs per SM x register cap (maxnreg)
+                base = orig6(1, n, k)
+                cfgs = [base[:2] + (p,) + base[3:] + (r,) for p in (8, 12, 14, 16, 24) for r in (0, 64)]
+            elif ROUND == 5:  # after the scale-load layout fix: rows x warps x programs per SM, the rule's segment
+                base = orig6(1, n, k)
+                cfgs = [(r, w, p, base[3]) for r in (2, 4, 8) for w in sorted({base[1], base[1] * 2})
+                        for p in (8, 12, 14, 16, 24)]
             else:  # round 3: + software-pipelined row loop (tl.range num_stages), more programs per SM
                 segs = {4096: [4096], 8192: [4096, 8192], 14336: [2048], 28672: [4096, 2048]}[k]
                 cfgs = [c for c in itertools.product((4, 8), (1, 2, 4), (8, 16), segs, (1, 2, 3))
@@ -99,7 +116,8 @@ def main() -> int:
             for cfg in cfgs:
                 if left() < 0.5 * budget:
                     break
-                gm._gemv6_config = lambda *a, c=cfg: c
+                gm._gemv6_config = lambda *a, c=cfg[:4]: c
+                gm.GEMV6_MAXNREG = (cfg[4] or None) if ROUND == 4 else None
                 try:
                     y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     gm.linear_w4a16(x[:1], wq, path="gemv6", out=y)
@@ -109,11 +127,12 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001
                     sweep[str(cfg)] = {"error": repr(exc)[:300]}
             gm._gemv6_config = orig6
+            gm.GEMV6_MAXNREG = None
             ok = {c: v for c, v in sweep.items() if "us" in v and v["err"] < 1e-2}
             if ok:
                 best = min(ok, key=lambda c: ok[c]["us"])
                 row["gemv6_best_cfg"], row["gemv6_best_us"] = best, ok[best]["us"]
-                cfg = tuple(json.loads(best.replace("(", "[").replace(")", "]")))
+                cfg = tuple(json.loads(best.replace("(", "[").replace(")", "]")))[:4]
                 best6[name] = cfg
                 gm._gemv6_config = lambda *a, c=cfg: c
                 y2 = torch.full((2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
