@@ -230,6 +230,83 @@ def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
         assert grids[-1] == (programs, 1, 1)
 
 
+def _pow2_scaled_weight(n, k, seed, global_enc=3.0):
+    """Random codes under power-of-two E4M3 block scales (2^-9, a subnormal, .. 2^7):
+    what the interpreter's E8M0 reading of dot_scaled scales can represent."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-9, 8, (n, k // 16), generator=g).float()).to(torch.float8_e4m3fn)
+    return nvfp4.NVFP4Tensor(nvfp4.pack_codes(codes), scales, torch.tensor(global_enc), torch.Size((n, k)),
+                             torch.bfloat16)
+
+
+@interpreted
+@pytest.mark.parametrize("m,n,k", [(5, 33, 64), (17, 40, 96), (3, 7, 160)])
+def test_dot_scaled_matches_the_reference_decode(tk, m, n, k):
+    """The FP4 tensor-core kernel (sm_100+; here the interpreter): NVFP4 x NVFP4
+    and bf16/fp16 x NVFP4, partial tiles in M, N and K, a bias, fp32 output exact."""
+    ds = importlib.import_module("fp4ptq.kernels.dot_scaled")
+    w = _pow2_scaled_weight(n, k, seed=n)
+    xq = _pow2_scaled_weight(m, k, seed=m + 100, global_enc=5.0)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    ref = xq.dequantize(torch.float32) @ w.dequantize(torch.float32).T + bias
+    out = torch.full((m, n), float("nan"))
+    y = ds.matmul(xq.packed, xq.block_scale, xq.global_enc, w, bias, torch.float32, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert _rel(y, ref) < 1e-6
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref16 = x.float() @ w.dequantize(torch.float32).T
+        assert _rel(ds.matmul(x, None, None, w, None, torch.float32), ref16) < 1e-6
+
+
+@interpreted
+def test_w4a4_dot_scaled_path_equals_the_hopper_path(tk):
+    """linear_w4a4(path="dot_scaled") quantizes x to codes + scales and gives the
+    same bf16 output as the sm_90 tiled GEMM (x's block maxima are powers of two
+    under a static amax of 448, so its scales are too)."""
+    _, gm = tk
+    g = torch.Generator().manual_seed(7)
+    m, n, k = 6, 40, 96
+    x = torch.randn(m, k, generator=g).clamp(-0.9, 0.9)
+    x.view(m, k // 16, 16)[:, :, 0] = torch.exp2(torch.randint(0, 3, (m, k // 16), generator=g).float())
+    x = x.bfloat16()
+    w = _pow2_scaled_weight(n, k, seed=3)
+    amax = torch.tensor(448.0)
+    y = gm.linear_w4a4(x, w, amax, path="dot_scaled")
+    assert torch.equal(y, gm.linear_w4a4(x, w, amax, path="gemm"))
+    ref = nvfp4.fake_quantize(x.float(), None, amax=amax) @ w.dequantize(torch.float32).T
+    assert _rel(y, ref) < 1e-2
+    with pytest.raises(nvfp4.NVFP4Error, match="power-of-two"):
+        gm.linear_w4a4(torch.randn(m, k).bfloat16(), w, torch.tensor(3.0), path="dot_scaled")
+
+
+def test_dot_scaled_is_used_only_where_it_self_tested(monkeypatch):
+    """The sm_100 path's guard: refused off CUDA, below sm_100 and when turned
+    off; on sm_100 it needs its self-test to pass, and a failure is a warning
+    (the sm_90 kernels stay in use), asked once per device."""
+    ds = importlib.import_module("fp4ptq.kernels.dot_scaled")
+    monkeypatch.setattr(ds, "_READY", {})
+    assert "cpu" in ds.ready(torch.device("cpu"), "e2m1")
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+    assert "no FP4 tensor cores" in ds.ready(torch.device("cuda", 0), "e2m1")
+    cap["value"] = (10, 0)
+    calls = []
+    monkeypatch.setattr(ds, "_self_test", lambda device, fmt: calls.append(fmt) or None)
+    assert ds.ready(torch.device("cuda", 1), "e2m1") is None
+    assert ds.ready(torch.device("cuda", 1), "e2m1") is None and calls == ["e2m1"]
+
+    def broken(device, fmt):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(ds, "_self_test", broken)
+    with pytest.warns(UserWarning, match="not used on cuda:2"):
+        assert "did not compile" in ds.ready(torch.device("cuda", 2), "bf16")
+    monkeypatch.setattr(ds, "MODE", "0")
+    assert "turned off" in ds.ready(torch.device("cuda", 3), "e2m1")
+
+
 @interpreted
 def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
     """The swapped-operand tiling (y^T = W x^T) computes the same product."""

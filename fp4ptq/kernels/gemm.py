@@ -7,8 +7,9 @@ activation row resident in registers and persistent programs over row tiles
 (M <= 2, bf16 activations; K split into power-of-two segments when it is not
 one), ``gemv5`` its predecessor (x re-read every step), ``gemv4`` fp32 GEMV
 (M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``gemm`` tiled
-GEMM (M <= 63), ``cublas`` dequantize + cuBLAS (M >= 64). Timings:
-benchmarks/results/kernels_h200.md.
+GEMM (M <= 63), ``cublas`` dequantize + cuBLAS (M >= 64), ``dot_scaled``
+FP4 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it
+there once its self-test passed). Timings: benchmarks/results/kernels_h200.md.
 
 Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
 as int32 words of 8 codes or int64 blocks of 16; ``weight_scale [N, K/16]``
@@ -53,7 +54,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from . import quantize_kernel
+from . import dot_scaled, quantize_kernel
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -837,6 +838,10 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         torch.mm(x2, w.t(), out=y)
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
+    if path == "dot_scaled":  # FP4 tensor cores (sm_100+); bf16/fp16 x here, NVFP4 x from linear_w4a4
+        if x_enc is not None:
+            raise ValueError("the dot_scaled path takes W4A4 activations as codes + scales (linear_w4a4)")
+        return dot_scaled.matmul(x2, None, None, weight, bias, x2.dtype, out=y)
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
@@ -887,7 +892,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
                  path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
-    ``path``: None (by shape), "gemv", "gemm" or "cublas"; ``out``: [M, N]."""
+    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "gemm",
+    "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)
     return y.reshape(*lead, y.shape[-1])
@@ -910,7 +916,14 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
         path = _auto_path(x2.shape[0], x2.dtype, True)
         if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
             path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
-    if path == "gemv6" and W4A4_FUSED:  # quantize inside the GEMV: one launch
+        elif x2.shape[0] > GEMV_MAX_M and dot_scaled.ready(x2.device, "e2m1") is None:
+            path = "dot_scaled"  # sm_100+: NVFP4 x NVFP4 on FP4 tensor cores
+    if path == "dot_scaled":  # codes + scales of x, then one scaled MMA per tile
+        if x2.dtype not in (torch.bfloat16, torch.float16):
+            raise nvfp4.NVFP4Error(f"W4A4 takes bf16/fp16 activations, got {x2.dtype}")
+        xp, xsc, x_enc, _ = quantize_kernel.launch_quantize(x2, input_amax, four_six, emit="packed")
+        y = dot_scaled.matmul(xp, xsc, x_enc, weight, bias, x2.dtype, out=out)
+    elif path == "gemv6" and W4A4_FUSED:  # quantize inside the GEMV: one launch
         if x2.shape[-1] % BLOCK_SIZE:
             raise nvfp4.NVFP4Error(f"W4A4: activation last dim {x2.shape[-1]} is not a multiple of {BLOCK_SIZE}")
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
