@@ -684,7 +684,8 @@ def _gemv6_config(m: int, n: int, k: int):
     K in segments of its largest power-of-two divisor up to 4096 (K = 8192 runs
     as two), warps so that each thread holds four blocks of a row
     (segment / 2048), 8 rows a step for single-segment layers narrower than
-    16384 and 4 otherwise, 8 programs per SM (16 when K is split)."""
+    16384 and 4 otherwise, 8 programs per SM (16 when K is split), which
+    ``_gemv6`` cuts to whole waves of what the compiled kernel fits on an SM."""
     seg = k & -k  # the largest power of two dividing K
     seg = k if seg < 256 else min(seg, 4096)  # K % 256 != 0: one segment, masked to a power of two
     kbp = triton.next_power_of_2(max(1, seg // 16))
