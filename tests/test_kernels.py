@@ -281,6 +281,34 @@ def test_w4a4_dot_scaled_path_equals_the_hopper_path(tk):
         gm.linear_w4a4(torch.randn(m, k).bfloat16(), w, torch.tensor(3.0), path="dot_scaled")
 
 
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
+@pytest.mark.parametrize("even_k", [True, False])
+def test_dot_scaled_kernel_compiles_to_native_nvfp4_mma_for_sm100(even_k):
+    """No FP4 GPU here, so compile the W4A4 kernel for sm_100 (masked K tails
+    included: their E4M3 scale loads need a float fill) and check the PTX uses
+    the block-scaled FP4 tensor-core MMA with 16-element E4M3 blocks."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ds = importlib.import_module("fp4ptq.kernels.dot_scaled")
+    sig = {"x_ptr": "*u8", "xs_ptr": "*fp8e4nv", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wenc_ptr": "*fp32",
+           "xenc_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_ym": "i32"}
+    consts = {"X_FMT": "e2m1", "HAS_BIAS": True, "HAS_XENC": True, "BLOCK_M": 128, "BLOCK_N": 128,
+              "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": even_k}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    try:
+        compiled = triton.compile(ASTSource(fn=ds._dot_scaled_kernel, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 100, 32), options={"num_warps": 4, "num_stages": 3})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
+        pytest.skip(f"cannot compile for sm_100 here: {exc}")
+    mma = set(re.findall(r"tcgen05\.mma[\w.:]*", compiled.asm["ptx"]))
+    assert any("kind::mxf4nvf4.block_scale" in op and ("block16" in op or "scale_vec::4X" in op) for op in mma), mma
+
+
 def test_dot_scaled_is_used_only_where_it_self_tested(monkeypatch):
     """The sm_100 path's guard: refused off CUDA, below sm_100 and when turned
     off; on sm_100 it needs its self-test to pass, and a failure is a warning

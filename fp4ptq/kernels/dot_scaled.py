@@ -84,14 +84,14 @@ def _dot_scaled_kernel(
             ws = tl.load(ws_ptr + n_ld[:, None] * kb + s[None, :])
         else:
             w = tl.load(w_ptr + n_ld[:, None] * kh + c[None, :], mask=(c < kh)[None, :], other=0)
-            ws = tl.load(ws_ptr + n_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0)
+            ws = tl.load(ws_ptr + n_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0.0)
         if X_FMT == "e2m1":
             if EVEN_K:
                 x = tl.load(x_ptr + m_ld[:, None] * stride_xm + c[None, :])
                 xs = tl.load(xs_ptr + m_ld[:, None] * kb + s[None, :])
             else:
                 x = tl.load(x_ptr + m_ld[:, None] * stride_xm + c[None, :], mask=(c < kh)[None, :], other=0)
-                xs = tl.load(xs_ptr + m_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0)
+                xs = tl.load(xs_ptr + m_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0.0)
             acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
