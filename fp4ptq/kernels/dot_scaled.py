@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from .gemm import _output_scale
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "auto": on compute capability >= 10 after the self-test; "0": never
@@ -100,10 +101,7 @@ def _dot_scaled_kernel(
             else:
                 x = tl.load(x_ptr + m_ld[:, None] * stride_xm + kk[None, :], mask=(kk < K)[None, :], other=0.0)
             acc = tl.dot_scaled(x, None, X_FMT, tl.trans(w), ws, "e2m1", acc)
-    enc = tl.load(wenc_ptr)
-    if HAS_XENC:
-        enc = enc * tl.load(xenc_ptr)
-    y = acc * tl.math.div_rn(enc * 0.0 + 1.0, enc)
+    y = _output_scale(acc, wenc_ptr, xenc_ptr, 1.0, HAS_XENC)  # / (global_w * global_x)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n_ld).to(tl.float32)[None, :]
     tl.store(y_ptr + m_ld[:, None] * stride_ym + n_ld[None, :], y.to(y_ptr.dtype.element_ty),
@@ -202,7 +200,7 @@ def ready(device: torch.device, fmt: str) -> Optional[str]:
         return "turned off (FP4PTQ_DOT_SCALED=0)"
     if device.type != "cuda":
         return f"the input is on {device}"
-    key = (torch.device(device).index if device.index is not None else torch.cuda.current_device(), fmt)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), fmt)
     if key not in _READY:
         major, minor = torch.cuda.get_device_capability(key[0])
         if major < 10:

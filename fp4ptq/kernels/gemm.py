@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from . import dot_scaled, quantize_kernel
+from . import quantize_kernel
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -142,12 +142,18 @@ def decode_tile(words, sbits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: 
 
 
 @triton.jit
+def _pow2_over(enc, POW2: tl.constexpr):
+    """``POW2 / enc`` for an fp32 scalar ``enc``, correctly rounded."""
+    return tl.math.div_rn(enc * 0.0 + POW2, enc)
+
+
+@triton.jit
 def _output_factor(wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.constexpr):
     """``POW2 / (global_enc_w (* global_enc_x))``: one correctly rounded fp32 scalar."""
     enc = tl.load(wenc_ptr)
     if HAS_XENC:
         enc = enc * tl.load(xenc_ptr)
-    return tl.math.div_rn(enc * 0.0 + POW2, enc)
+    return _pow2_over(enc, POW2)
 
 
 @triton.jit
@@ -323,6 +329,14 @@ def _x_pair(x_lo, x_hi):
 
 
 @triton.jit
+def _word_pair(lo, hi, i: tl.constexpr):
+    """bf16x2 x register of lane ``i`` (0..3) of two int64 words of 4 bf16 each:
+    ``_x_pair(lo[i], hi[i])``."""
+    return _x_pair(_bf16_lane(((lo >> (16 * i)) & 0xFFFF).to(tl.int32), 0),
+                   _bf16_lane(((hi >> (16 * i)) & 0xFFFF).to(tl.int32), 0))
+
+
+@triton.jit
 def _gemv_bf16x2_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
@@ -364,8 +378,7 @@ def _gemv_bf16x2_kernel(
                 xs = xrow + bidx * 16 + 8 * h
             for i in tl.static_range(4):
                 if X_WORDS:
-                    xp = _x_pair(_bf16_lane(((xa >> (16 * i)) & 0xFFFF).to(tl.int32), 0),
-                                 _bf16_lane(((xb >> (16 * i)) & 0xFFFF).to(tl.int32), 0))
+                    xp = _word_pair(xa, xb, i)
                 else:
                     xp = _x_pair(tl.load(xs + i).to(tl.float32), tl.load(xs + i + 4).to(tl.float32))
                 part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), xp[None, :], part, EMULATE)
@@ -388,11 +401,7 @@ def _x_pairs_from_words(xw, bidx, b_ok, h: tl.constexpr):
     int64 words 2h (elements 0..3 of the half) and 2h + 1 (elements 4..7)."""
     lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)
     hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)
-    p0 = _x_pair(_bf16_lane((lo & 0xFFFF).to(tl.int32), 0), _bf16_lane((hi & 0xFFFF).to(tl.int32), 0))
-    p1 = _x_pair(_bf16_lane(((lo >> 16) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 16) & 0xFFFF).to(tl.int32), 0))
-    p2 = _x_pair(_bf16_lane(((lo >> 32) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 32) & 0xFFFF).to(tl.int32), 0))
-    p3 = _x_pair(_bf16_lane(((lo >> 48) & 0xFFFF).to(tl.int32), 0), _bf16_lane(((hi >> 48) & 0xFFFF).to(tl.int32), 0))
-    return p0, p1, p2, p3
+    return _word_pair(lo, hi, 0), _word_pair(lo, hi, 1), _word_pair(lo, hi, 2), _word_pair(lo, hi, 3)
 
 
 @triton.jit
@@ -454,8 +463,7 @@ def _gemv_resident_kernel(
         vb = tl.reshape(signed_scaled(ib, xb, scale), (KBP, 8))
         p00, p01, p02, p03 = _x_pairs_from_values(va, KBP)
         p10, p11, p12, p13 = _x_pairs_from_values(vb, KBP)
-        enc = tl.load(wenc_ptr) * x_enc
-        factor = tl.math.div_rn(enc * 0.0 + 1.1805916207174113e21, enc)  # 2^70 / (enc_w * enc_x)
+        factor = _pow2_over(tl.load(wenc_ptr) * x_enc, 1.1805916207174113e21)  # 2^70 / (enc_w * enc_x)
     else:
         xw = xrow.to(tl.pointer_type(tl.int64))
         p00, p01, p02, p03 = _x_pairs_from_words(xw, bidx, b_ok, 0)
@@ -840,6 +848,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
         return y.add_(bias) if has_bias else y
     if path == "dot_scaled":  # FP4 tensor cores (sm_100+); bf16/fp16 x here, NVFP4 x from linear_w4a4
+        from . import dot_scaled  # (it imports this module's output scaling)
+
         if x_enc is not None:
             raise ValueError("the dot_scaled path takes W4A4 activations as codes + scales (linear_w4a4)")
         return dot_scaled.matmul(x2, None, None, weight, bias, x2.dtype, out=y)
@@ -906,6 +916,8 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     """W4A4: quantize ``x`` under the static ``input_amax`` (+ Four Over Six) to
     ``v * scale`` (exact, x's dtype), then the W4A16 GEMM divides the fp32
     result by both global scales: exact NVFP4 x NVFP4 products, fp32 sums."""
+    from . import dot_scaled  # (it imports this module's output scaling)
+
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not torch.is_tensor(input_amax):
