@@ -6,8 +6,10 @@ dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
 activation row resident in registers and persistent programs over row tiles
 (M <= 2, bf16 activations; K split into power-of-two segments when it is not
 one), ``gemv5`` its predecessor (x re-read every step), ``gemv4`` fp32 GEMV
-(M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``gemm`` tiled
-GEMM (M <= 63), ``cublas`` dequantize + cuBLAS (M >= 64), ``dot_scaled``
+(M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``mma`` the
+Gluon tensor-core kernel (``mma.py``; 3 <= M <= 64, bf16 activations, K % 64
+== 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
+``cublas`` dequantize + cuBLAS (M >= 64, or 65 with ``mma``), ``dot_scaled``
 FP4 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it
 there once its self-test passed). Timings: benchmarks/results/kernels_h200.md.
 
@@ -651,6 +653,10 @@ GEMV6_MAXNREG = int(os.environ.get("FP4PTQ_GEMV6_MAXNREG", 0)) or None
 # (session-4 H200 sweep: 1.1-1.5x slower than the quantize kernel + gemv6 on every shape).
 W4A4_FUSED = os.environ.get("FP4PTQ_W4A4_FUSED", "0") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
+# M in (GEMV_MAX_M, MMA_MAX_M] with bf16 activations: the Gluon tensor-core kernel (mma.py) on CUDA
+# (session-5 H200 sweep, results/mma_h200.json: 1.0-1.8x cuBLAS at M = 16, ahead of the tiled GEMM
+# and of dequantize + cuBLAS up to M = 64). 0 turns it off.
+MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
@@ -803,10 +809,29 @@ def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = F
     return out
 
 
-def _auto_path(m: int, dtype: torch.dtype, w4a4: bool) -> str:
-    """The path the shape rules pick for M rows of ``dtype`` activations."""
+def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the Gluon tensor-core kernel (path "mma") cannot take this input (None when it can)."""
+    if INTERPRET or device.type != "cuda":
+        return "the mma path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
+    if dtype != torch.bfloat16:
+        return f"the mma path takes bf16 activations, got {dtype}"
+    if not 0 < m <= 64 or k % 64:
+        return f"the mma path takes 1 <= M <= 64 rows and K % 64 == 0, got M={m}, K={k}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "the mma path needs mma.sync (sm_80 or later)"
+    try:
+        from . import mma  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
+        return f"Triton's Gluon dialect is not usable here ({exc})"
+    return None
+
+
+def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None) -> str:
+    """The path the shape rules pick for M rows of ``dtype`` activations (K, device: for "mma")."""
     if m <= GEMV_MAX_M:
         return GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+    if m <= MMA_MAX_M and device is not None and mma_unavailable_reason(m, k, dtype, device) is None:
+        return "mma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
 
@@ -825,7 +850,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if path is None:
-        path = _auto_path(m, x2.dtype, x_enc is not None)
+        path = _auto_path(m, x2.dtype, x_enc is not None, k, x2.device)
     if amax is not None and path != "gemv6":
         raise ValueError(f"quantizing activations inside the GEMM is the gemv6 path's, not {path!r}'s")
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
@@ -853,6 +878,14 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         if x_enc is not None:
             raise ValueError("the dot_scaled path takes W4A4 activations as codes + scales (linear_w4a4)")
         return dot_scaled.matmul(x2, None, None, weight, bias, x2.dtype, out=y)
+    if path == "mma":
+        reason = mma_unavailable_reason(m, k, x2.dtype, x2.device)
+        if reason is not None:
+            raise ValueError(reason)
+        from . import mma
+
+        return mma.matmul(x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else None,
+                          bias.contiguous() if has_bias else None, y)
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
@@ -903,7 +936,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
                  path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
-    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "gemm",
+    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "gemm",
     "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)
@@ -926,7 +959,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     if four_six not in quantize_kernel.FOUR_SIX_CODES:
         raise nvfp4.NVFP4Error(f"unknown Four Over Six rule {four_six!r}; choose one of {nvfp4.FOUR_SIX_RULES}")
     if path is None:
-        path = _auto_path(x2.shape[0], x2.dtype, True)
+        path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device)
         if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
             path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
         elif x2.shape[0] > GEMV_MAX_M and dot_scaled.ready(x2.device, "e2m1") is None:

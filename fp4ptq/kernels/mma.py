@@ -1,0 +1,337 @@
+"""Small-M W4A16 GEMM on the tensor cores with the NVFP4 weight decoded in
+registers, written in Gluon (Triton's explicit-layout dialect). CUDA only.
+
+Why Gluon: in plain Triton the decoded weight tile reaches the MMA through
+shared memory (a layout conversion per step), and the tiled GEMM stays near
+cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
+(m16n8k16) wants it:
+
+* The weight is the A operand (``y^T = W x^T``: N fills the MMA's 16 rows, M
+  its 8-wide columns). With ``k_width = 8`` each thread holds 8 consecutive K
+  of a row, i.e. exactly one int32 word of 8 codes. The word is loaded once
+  (the 8 elements share an address) and decoded by bit moves into four
+  bf16x2 registers, codes ``(p, p + 4)`` in register ``p``, each the bf16
+  ``v * 2^-126`` (see gemm.py), then multiplied by the block scale as
+  ``scale * 2^100`` (``mul.rn.bf16x2``; the product ``v * scale * 2^-26`` is
+  exact). So the tensor core sees K in the order 0, 4, 1, 5, 2, 6, 3, 7
+  within every 8: the activation (B operand, loaded as 16 bytes per 8 K) is
+  put in the same order with four ``prmt`` per 8 values. A dot product does
+  not depend on the order of its terms' pairs, only on both operands agreeing.
+* Accumulation is fp32 in the MMA; ``2^26 / global_enc`` (/ the activations'
+  global scale for W4A4) is applied once per output, as in the tiled GEMM.
+
+Products ``x * (v * scale)`` are exact in fp32 and summed in fp32, so the
+result matches the tiled GEMM up to summation order. K is split over
+programs (fp32 workspace + gemm.py's ordered summing pass) when N alone
+does not fill the GPU.
+
+The Triton interpreter cannot run Gluon: CPU tests compile this kernel for
+sm_90 and check its instructions; the numerics are checked on the GPU
+(benchmarks/mma_h200.py, results/mma_h200.json) against the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# A word of 8 codes -> four bf16x2 registers, register p = codes (p, p + 4). Code i sits at bits
+# 4i..4i+3 (sign = bit 3); its magnitude goes to bf16 bits 6..8 of its half (shift 6 - 4i) and its
+# sign to bit 15 (shift 12 - 4i); code i + 4 lands 16 bits higher with the same shifts.
+DECODE_SHIFTS = ((6, 12), (2, 8), (-2, 4), (-6, 0))  # (magnitude, sign) shift of register p
+MAG_MASK = 0x01C001C0
+SIGN_MASK = 0x80008000
+
+
+def _shift(dst: str, amount: int) -> str:
+    if amount == 0:
+        return f"mov.b32 {dst}, $4;"
+    op = "shl.b32" if amount > 0 else "shr.u32"
+    return f"{op} {dst}, $4, {abs(amount)};"
+
+
+def _decode_asm() -> str:
+    """PTX for ``_DECODE``: operands $0-$3 the four registers, $4 the word (the
+    8 copies are one register), $12 the scale pair (bf16x2, scale * 2^100)."""
+    lines = ["{", ".reg .b32 a, b;"]
+    for p, (mag, sign) in enumerate(DECODE_SHIFTS):
+        lines.append(f"{_shift('a', mag)} {_shift('b', sign)} and.b32 a, a, {MAG_MASK:#010x}; "
+                     f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; mul.rn.bf16x2 ${p}, a, $12;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_DECODE = gl.constexpr(_decode_asm())
+_DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
+# 8 activations (k .. k+7 as four bf16x2: $4 = (x0, x1) .. $7 = (x6, x7)) -> the decode's pairs
+# (x0, x4), (x1, x5), (x2, x6), (x3, x7): prmt picks 16-bit halves (selector bytes 0-3: first
+# operand, 4-7: second; 0x5410 = both low halves, 0x7632 = both high halves).
+PAIR_X_SELECTORS = ((4, 6, 0x5410), (4, 6, 0x7632), (5, 7, 0x5410), (5, 7, 0x7632))
+_PAIR_X = gl.constexpr(" ".join(f"prmt.b32 ${p}, ${a}, ${b}, {sel:#06x};"
+                                for p, (a, b, sel) in enumerate(PAIR_X_SELECTORS)))
+
+
+def _bits(n: int) -> list:
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+def _layouts(bn: int, bm: int, bk: int, warps: int):
+    """Load layouts of one step's words ``[BN, BK/8]``, scale bytes ``[BN, BK/16]``
+    and activations ``[BK, BM]``: each is the MMA operand layout (see
+    ``_operands``) with K relabelled so that a thread's words (4 * BK/128 of
+    a row), scale bytes and activations are contiguous in memory, i.e. one
+    16-byte load each. The thread that holds word ``p = S*c + s`` of a step
+    (``S = BK/32``, ``c`` its lane's K group, ``s`` the repeat) feeds the MMA
+    the K range ``32 s + 8 c + (0..7)``: the same permutation of K on both
+    operands (and a permutation of K changes no dot product)."""
+    s, t = bk // 32, bk // 64
+    rows = [[16 * warps * b, 0] for b in _bits(bn // (16 * warps))]
+    warp_rows = [[16 * b, 0] for b in _bits(warps)]
+    lane_rows = [[1, 0], [2, 0], [4, 0]]
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(s)] + [[8, 0]] + rows, lane_bases=[[0, s], [0, 2 * s]] + lane_rows,
+        warp_bases=warp_rows, block_bases=[], shape=[bn, bk // 8])
+    scales = gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(t)] + [[8, 0]] + rows, lane_bases=[[0, t], [0, 2 * t]] + lane_rows,
+        warp_bases=warp_rows, block_bases=[], shape=[bn, bk // 16])
+    acts = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[8 * b, 0] for b in _bits(s)] + [[0, 8 * b] for b in _bits(bm // 8)],
+        lane_bases=[[8 * s, 0], [16 * s, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0] for _ in _bits(warps)],
+        block_bases=[], shape=[bk, bm])
+    # cp.async copies: 4 scale bytes / 8 activations a thread, coalesced (the ring buffers hand
+    # the data to the threads that use it: one barrier a step)
+    lanes_s = min(32, bk // 64)
+    s_copy = gl.BlockedLayout([1, 4], [32 // lanes_s, lanes_s], [warps, 1], [1, 0])
+    x_copy = gl.BlockedLayout([8, 1], [min(32, bk // 8), max(1, 32 // (bk // 8))], [1, warps], [0, 1])
+    return words, scales, acts, s_copy, x_copy
+
+
+# cp.async global -> shared: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before
+if hasattr(async_copy, "async_load"):
+    @gluon.jit
+    def _copy(smem, pointers):
+        async_copy.async_load(smem, pointers)
+else:  # pragma: no cover - the H200's Triton 3.6
+    @gluon.jit
+    def _copy(smem, pointers):
+        async_copy.async_copy_global_to_shared(smem, pointers)
+
+# a CTA-wide barrier: ``barrier`` from Triton 3.7 on, ``thread_barrier`` before
+if hasattr(gl, "barrier"):
+    @gluon.jit
+    def _sync():
+        gl.barrier()
+else:  # pragma: no cover - the H200's Triton 3.6
+    @gluon.jit
+    def _sync():
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _spread8(v):
+    """``[..]`` -> ``[.., 2, 2, 2]``: eight register copies (one per code of a word)."""
+    v = gl.join(v, v)
+    v = gl.join(v, v)
+    return gl.join(v, v)
+
+
+@gluon.jit
+def _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off):
+    return gl.load(w_ptr + k0 // 8 + w_off), gl.load(s_ptr + k0 // 16 + s_off), gl.load(x_ptr + k0 + x_off)
+
+
+@gluon.jit
+def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+              BK: gl.constexpr):
+    """One step's loads -> the MMA's A (decoded, scaled weight ``[BN, BK]``) and
+    B (activations ``[BK, BM]``), both in K order ``32 s + 8 c + j`` with the
+    pairs of every 8 as (0, 4), (1, 5), (2, 6), (3, 7). No data moves between
+    threads (the layout conversions are asserted trivial)."""
+    S: gl.constexpr = BK // 32
+    T: gl.constexpr = BK // 64
+    # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100, exact in bf16
+    sc = ((sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+          * 3.2451855365842673e32).to(gl.bfloat16)
+    w = gl.permute(gl.reshape(wp, [BN, 4, S]), [0, 2, 1])  # [BN, s, c]
+    w = gl.convert_layout(gl.reshape(_spread8(w), [BN, BK]), a_l, assert_trivial=True)
+    sc = gl.reshape(sc, [BN, 4, T])
+    sc = gl.permute(gl.reshape(gl.join(sc, sc), [BN, 4, S]), [0, 2, 1])  # block of (s, c): T c + s // 2
+    sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
+    a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
+    xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
+    xt = gl.convert_layout(xt, b_l, assert_trivial=True)
+    b = gl.inline_asm_elementwise(_PAIR_X, "=r,=r,=r,=r,r,r,r,r", [xt], gl.bfloat16, True, 8)
+    return a, b
+
+
+@gluon.jit
+def _mma_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
+    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+    BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
+):
+    # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
+    # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
+    KW = KW8 * 8  # words a row (K / 8)
+    KB = KB4 * 4  # scale bytes a row (K / 16)
+    stride_xm = stride_x8 * 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
+    rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SL))
+    w_off = gl.where(rw < N, rw, 0).to(gl.int64)[:, None] * KW + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WL))[None, :]
+    s_off = gl.where(rs < N, rs, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SL))[None, :]
+    xm = gl.arange(0, BM, layout=gl.SliceLayout(0, XL))
+    x_off = gl.where(xm < M, xm, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XL))[:, None]
+    # rows past N read row 0 and activation rows past M read row 0: computed, never stored
+
+    k_lo = pid_k * K_SPLIT
+    k_last = k_lo + K_SPLIT - BK
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    if STAGES >= 2:  # cp.async ring of STAGES steps in shared memory
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
+        s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
+        k_major: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
+        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BK, BM], k_major)
+        rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
+        sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
+        xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
+        xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
+        for i in gl.static_range(STAGES - 1):
+            kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+            _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+            _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+            _copy(x_ring.index(i), x_ptr + kc + xc_off)
+            async_copy.commit_group()
+        steps = K_SPLIT // BK
+        for i in range(steps):
+            async_copy.wait_group(STAGES - 2)
+            _sync()  # step i is in; every thread is done with step i - 1's slot
+            slot = i % STAGES
+            wp = w_ring.index(slot).load(WL)
+            sb = s_ring.index(slot).load(SL)
+            xp = x_ring.index(slot).load(XL)
+            nxt = (i + STAGES - 1) % STAGES
+            kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a harmless reload
+            _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
+            _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
+            _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
+            async_copy.commit_group()
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            acc = mma_v2(a, b, acc)
+        async_copy.wait_group(0)
+    elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
+        wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
+        for k0 in range(k_lo, k_last + BK, BK):
+            wn, sn, xn = _load_step(w_ptr, s_ptr, x_ptr, gl.minimum(k0 + BK, k_last), w_off, s_off, x_off)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            acc = mma_v2(a, b, acc)
+            wp, sb, xp = wn, sn, xn
+    else:
+        for k0 in range(k_lo, k_last + BK, BK):
+            wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            acc = mma_v2(a, b, acc)
+
+    enc = gl.load(wenc_ptr)
+    if HAS_XENC:
+        enc = enc * gl.load(xenc_ptr)
+    y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc, one correctly rounded factor
+    no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    ok = (no < N)[:, None] & (mo < M)[None, :]
+    if SPLIT:  # fp32 partials [splits, M, N], summed in order by gemm._gemv_split_finish
+        gl.store(y_ptr + (pid_k * M + mo[None, :]).to(gl.int64) * N + no[:, None], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
+        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+MAX_M = 64
+
+
+def config(m: int, n: int, k: int, sms: int = 132):
+    """(BN, BM, BK, warps, K per program, stages) for M <= 64 rows; stages: 0 register
+    prefetch of one step, 1 none, >= 2 a cp.async ring of that many steps.
+
+    The rule the session-5 H200 sweep picked (results/mma_h200.json, M = 16 and
+    64 on six Llama shapes): a 3-step cp.async ring; for M <= 16, 128 rows on
+    4 warps with K steps of 128 (64 rows on 2 warps for layers up to 25M
+    weights), for M > 16 K steps of 64 on 2 warps (the activation operand
+    grows with M); K split until the grid has about three programs per SM,
+    keeping 1024 K or more a program."""
+    bm = max(8, triton.next_power_of_2(m))
+    if bm <= 16:
+        small = n * k <= 6144 * 4096
+        bn, warps = (64, 2) if small else (128, 4)
+        bk = 128 if k % 128 == 0 else 64
+    else:
+        bn, warps, bk = (128 if n >= 16384 else 64), 2, 64
+    tiles = triton.cdiv(n, bn)
+    split = 1
+    while tiles * split < 3 * sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
+            and k // (split * 2) >= 1024:
+        split *= 2
+    return bn, bm, bk, warps, k // split, 3
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes this shape: M <= 64 and K a multiple of 64."""
+    return 0 < m <= MAX_M and k % 64 == 0 and n > 0
+
+
+_LAYOUTS: dict = {}
+
+
+def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+           x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+           cfg: Optional[tuple] = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
+    packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
+    its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
+    from .gemm import _gemv_split_finish, _sm_count
+
+    m, k = x2.shape
+    n = words.shape[0]
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"the mma path takes bf16 activations, got {x2.dtype}")
+    if not supports(m, n, k):
+        raise ValueError(f"the mma path takes M <= {MAX_M} and K % 64 == 0, got M={m}, K={k}")
+    bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
+    if k % k_split or k_split % bk or bn % (16 * warps) or bm < m:
+        raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if sbits.data_ptr() % 16:
+        sbits = sbits.clone()
+    key = (bn, bm, bk, warps)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
+    wl, sl, xl, sc, xc = _LAYOUTS[key]
+    splits = k // k_split
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    has_bias = bias is not None
+    _mma_kernel[(triton.cdiv(n, bn), splits)](
+        x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
+        m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
+        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
+    )
+    if splits > 1:
+        _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
+                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
+    return y
+
+
+__all__ = ["MAX_M", "config", "matmul", "supports"]

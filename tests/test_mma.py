@@ -1,0 +1,158 @@
+"""The Gluon tensor-core GEMM (fp4ptq/kernels/mma.py) on CPU.
+
+Gluon kernels do not run under the Triton interpreter, so here: the decode's
+bit moves and the activation pairing are emulated bit for bit from the same
+tables that generate the kernel's PTX and checked against the reference
+decode; the kernel is compiled for sm_90 (and must use mma.sync and, with a
+ring, cp.async); the dispatch guard refuses what the kernel cannot take. Its
+numerics on the GPU: benchmarks/mma_h200.py (results/mma_h200.json).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fp4ptq import nvfp4
+
+pytest.importorskip("triton")
+gluon = pytest.importorskip("triton.experimental.gluon")
+mma = pytest.importorskip("fp4ptq.kernels.mma")
+from fp4ptq.kernels import gemm  # noqa: E402
+
+
+def _u32(v: torch.Tensor) -> torch.Tensor:
+    return v & 0xFFFFFFFF
+
+
+def _shl(w: torch.Tensor, amount: int) -> torch.Tensor:
+    return _u32(w << amount) if amount >= 0 else w >> (-amount)
+
+
+def _int16(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 32768, v - 65536, v)
+
+
+def _halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo = _int16(r & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+    hi = _int16((r >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+    return lo, hi
+
+
+def test_decode_bit_moves_give_every_code_times_its_scale():
+    """Register p of a word holds codes p and p + 4 as bf16 ``v * 2^-126``; times the
+    bf16 ``scale * 2^100`` it is ``v * scale * 2^-26`` (exact): every code, under
+    normal, subnormal and the largest E4M3 scales."""
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every code once
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1)
+    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()  # [n, 8]
+    sbytes = torch.randint(0, 127, (4096,), generator=gen, dtype=torch.int64)
+    sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])
+    scale = sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    for p, (mag, sign) in enumerate(mma.DECODE_SHIFTS):
+        r = (_shl(words, mag) & mma.MAG_MASK) | (_shl(words, sign) & mma.SIGN_MASK)
+        lo, hi = _halves(r)
+        assert torch.equal(lo * 2.0**126, ref[:, p]) and torch.equal(hi * 2.0**126, ref[:, p + 4]), p
+        # the scale operand: scale * 2^100 is exact in bf16, so is the product (mul.rn.bf16x2)
+        s_bf16 = (scale * 2.0**100).to(torch.bfloat16).double()
+        assert torch.equal(s_bf16, scale * 2.0**100)
+        prod = (lo * s_bf16).to(torch.bfloat16).double()
+        assert torch.equal(prod, ref[:, p] * scale * 2.0**-26), p
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(a)
+    for byte in range(4):
+        out |= pool[(sel >> (4 * byte)) & 0x7] << (8 * byte)
+    return out
+
+
+def test_activation_pairing_matches_the_decode_order():
+    """The four prmt of _PAIR_X turn x0..x7 (four bf16x2 words) into (x_p, x_p+4),
+    the order the decoded weight registers hold codes p and p + 4."""
+    x = torch.randint(0, 2**16, (64, 8), dtype=torch.int64)
+    regs = {4 + j: x[:, 2 * j] | (x[:, 2 * j + 1] << 16) for j in range(4)}
+    for p, (a, b, sel) in enumerate(mma.PAIR_X_SELECTORS):
+        out = _prmt(regs[a], regs[b], sel)
+        assert torch.equal(out & 0xFFFF, x[:, p]) and torch.equal(out >> 16, x[:, p + 4]), p
+    assert mma._PAIR_X.value.count("prmt.b32") == 4
+
+
+def test_decode_asm_is_generated_from_the_shift_table():
+    text = mma._DECODE.value
+    assert text.count("mul.rn.bf16x2") == 4
+    for p, (mag, sign) in enumerate(mma.DECODE_SHIFTS):
+        assert f"mul.rn.bf16x2 ${p}, a, $12;" in text
+        assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
+    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
+])
+def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
+    """The shipped kernel builds for the H200's sm_90: bf16 mma.sync m16n8k16 fed from
+    registers (the layout conversions are asserted trivial at compile time), cp.async
+    for the ring, no spills to local memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ce = dict(cfg)
+    ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": "*bf16", "y_ptr": "*fp32" if cfg["SPLIT"] else "*bf16"}
+    fn = mma._mma_kernel
+    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
+    # as at run time: torch allocations are 16-byte aligned (matmul clones any operand that is not)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr")}
+    try:
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg["WARPS"]})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    ptx = k.asm["ptx"]
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
+    assert ("cp.async" in ptx) == (cfg["STAGES"] >= 2)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),
+                                 (8192, 28672), (1000, 1088), (320, 64), (128256, 4096)])
+@pytest.mark.parametrize("m", [3, 8, 13, 16, 17, 32, 64])
+def test_config_tiles_every_supported_shape(m, n, k):
+    bn, bm, bk, warps, k_split, stages = mma.config(m, n, k)
+    assert bm >= m and bm % 8 == 0 and bn % (16 * warps) == 0
+    assert k % k_split == 0 and k_split % bk == 0 and bk in (64, 128) and stages == 3
+
+
+def test_dispatch_guard_names_the_reason(monkeypatch):
+    cpu = torch.device("cpu")
+    assert "CUDA only" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cpu)
+    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cpu) == "gemm"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
+    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
+    assert gemm._auto_path(16, torch.bfloat16, True, 4096, cuda) == "mma"
+    assert gemm._auto_path(1, torch.bfloat16, False, 4096, cuda) == gemm.GEMV_PATH
+    assert gemm._auto_path(65, torch.bfloat16, False, 4096, cuda) == "cublas"
+    assert "bf16" in gemm.mma_unavailable_reason(16, 4096, torch.float16, cuda)
+    assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "gemm"
+    assert "K % 64" in gemm.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
+    assert gemm._auto_path(16, torch.bfloat16, False, 4112, cuda) == "gemm"
+    monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
+    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+
+
+def test_explicit_mma_path_off_cuda_raises_with_the_reason():
+    w = nvfp4.quantize(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="CUDA only"):
+        gemm.linear_w4a16(torch.randn(4, 128).bfloat16(), w, path="mma")
