@@ -826,11 +826,15 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     return None
 
 
-def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None) -> str:
-    """The path the shape rules pick for M rows of ``dtype`` activations (K, device: for "mma")."""
-    if m <= GEMV_MAX_M:
+def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
+               n: int = 0) -> str:
+    """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
+    M = 2 goes to "mma" on layers of more than 4096 x 4096 weights, where it beat gemv6
+    (session-5 H200 run, results/mma_h200_m2.json: 70B.gate_up 120 us against 152)."""
+    mma_ok = device is not None and MMA_MAX_M >= max(m, 1) and mma_unavailable_reason(m, k, dtype, device) is None
+    if m <= GEMV_MAX_M and not (m == 2 and mma_ok and n * k > 4096 * 4096):
         return GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
-    if m <= MMA_MAX_M and device is not None and mma_unavailable_reason(m, k, dtype, device) is None:
+    if mma_ok:
         return "mma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
@@ -850,7 +854,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if path is None:
-        path = _auto_path(m, x2.dtype, x_enc is not None, k, x2.device)
+        path = _auto_path(m, x2.dtype, x_enc is not None, k, x2.device, n)
     if amax is not None and path != "gemv6":
         raise ValueError(f"quantizing activations inside the GEMM is the gemv6 path's, not {path!r}'s")
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
@@ -959,7 +963,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     if four_six not in quantize_kernel.FOUR_SIX_CODES:
         raise nvfp4.NVFP4Error(f"unknown Four Over Six rule {four_six!r}; choose one of {nvfp4.FOUR_SIX_RULES}")
     if path is None:
-        path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device)
+        path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device, weight.shape[0])
         if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
             path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
         elif x2.shape[0] > GEMV_MAX_M and dot_scaled.ready(x2.device, "e2m1") is None:

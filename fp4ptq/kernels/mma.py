@@ -201,7 +201,9 @@ def _mma_kernel(
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
         s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
-        k_major: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1])
+        # activations K-major, 16-byte chunks XOR-swizzled by column: the 8 columns a warp reads at once
+        # fall in 8 different bank groups (unswizzled, every 256-byte column starts in bank 0: 16-way conflicts)
+        k_major: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
         x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BK, BM], k_major)
         rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
@@ -278,12 +280,18 @@ def config(m: int, n: int, k: int, sms: int = 132):
         bk = 128 if k % 128 == 0 else 64
     else:
         bn, warps, bk = (128 if n >= 16384 else 64), 2, 64
+    return bn, bm, bk, warps, k_split(n, k, bn, bk, sms), 3
+
+
+def k_split(n: int, k: int, bn: int, bk: int, sms: int = 132) -> int:
+    """K per program: K halved until ``cdiv(N, BN)`` row tiles times the splits give
+    about three programs per SM, keeping 1024 K or more (whole K steps) a program."""
     tiles = triton.cdiv(n, bn)
     split = 1
     while tiles * split < 3 * sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
             and k // (split * 2) >= 1024:
         split *= 2
-    return bn, bm, bk, warps, k // split, 3
+    return k // split
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -334,4 +342,4 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     return y
 
 
-__all__ = ["MAX_M", "config", "matmul", "supports"]
+__all__ = ["MAX_M", "config", "k_split", "matmul", "supports"]
