@@ -84,8 +84,8 @@ def correctness(res, gm, qk):
     xa = torch.randn(16, 256, device=dev, generator=g)
     ref = xa @ w.dequantize(torch.float32).T
     for dt in (torch.bfloat16, torch.float16):
-        for path in ("gemv", "gemv4", "gemv5", "gemv6", "gemm"):
-            if path == "gemv6" and dt != torch.bfloat16:
+        for path in ("gemv", "gemv4", "gemv5", "gemv6", "mma", "gemm"):
+            if path in ("gemv6", "mma") and dt != torch.bfloat16:
                 continue
             for rows in ((1,) if path.startswith("gemv") else (1, 16)):
                 try:
@@ -94,11 +94,11 @@ def correctness(res, gm, qk):
                 except Exception as e:  # noqa: BLE001
                     out[f"all_codes.{path}[{dt},M={rows}]"] = f"FAILED {e!r}"[:300]
     # the same through W4A4 (x = v * scale in bf16) and with a bias, on an odd shape (partial tiles)
-    wq = nvfp4.quantize(torch.randn(1000, 2064, device=dev, generator=g) * 0.02)
-    xb = torch.randn(16, 2064, device=dev, generator=g)
+    wq = nvfp4.quantize(torch.randn(1000, 2112, device=dev, generator=g) * 0.02)  # K % 128 != 0, N % 64 != 0
+    xb = torch.randn(16, 2112, device=dev, generator=g)
     bias = torch.randn(1000, device=dev, generator=g).bfloat16()
     refb = xb @ wq.dequantize(torch.float32).T + bias.float()
-    for path in ("gemv4", "gemv5", "gemv6", "gemm"):
+    for path in ("gemv4", "gemv5", "gemv6", "mma", "gemm"):
         for rows in ((1, 2) if path.startswith("gemv") else (7, 16)):
             try:
                 out[f"odd_shape.{path}[M={rows}]"] = _rel(gm.linear_w4a16(xb[:rows].bfloat16(), wq, bias, path=path),
@@ -308,6 +308,8 @@ def main_gpu():
                     ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
                 ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
             ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
+            if m <= 64:
+                ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
@@ -400,7 +402,8 @@ def report(path):
     if res.get("provenance"):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
-             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_gemm", "ours_w4a16_cublas", "ours_w4a4",
+             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_gemm",
+             "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
     present = [i for i in impls if any(r["impl"] == i for r in rows)]
     lines += ["## Time per call (us); speedup over cuBLAS bf16 in brackets", "",

@@ -29,6 +29,9 @@ from bench_kernels_h200 import SHAPES  # noqa: E402
 
 MS = [int(m) for m in os.environ.get("MMA_MS", "4,8,16,32,64").split(",")]
 SWEEP = os.environ.get("MMA_SWEEP", "1") == "1"
+# round 2 (after the first sweep): M = 16 only, warps per program x rows x ring depth, K step 128
+ROUND = int(os.environ.get("MMA_ROUND", 1))
+SHAPE_FILTER = [s for s in os.environ.get("MMA_SHAPES", "").split(",") if s]
 
 
 def main() -> int:
@@ -81,6 +84,8 @@ def main() -> int:
 
     # 2. Llama shapes: quantized weights, timings
     for name, (n, k) in SHAPES.items():
+        if SHAPE_FILTER and name not in SHAPE_FILTER:
+            continue
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
         w *= torch.logspace(-6, 0, 7, device="cuda")[torch.randint(0, 7, (n, 1), device="cuda", generator=gen)]
         wq = nvfp4.quantize(w.bfloat16())
@@ -106,6 +111,10 @@ def main() -> int:
                 bm = max(8, triton_pow2(m))
                 grid = itertools.product((64, 128), (2, 4), (64, 128), (1, 2, 4, 8), (0, 3, 4)) if m == 16 \
                     else itertools.product((64, 128), (2, 4), (64,), (1, 2, 4), (0, 3, 4))
+                if ROUND == 2:
+                    grid = [(bn, w_, 128, k // mma.k_split(n, k, bn, 128), st)
+                            for (bn, w_) in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
+                            for st in (2, 3, 4)] if m == 16 else []
                 for bn, warps, bk, split, pf in grid:
                     if bn % (16 * warps) or k % split or (k // split) % bk:
                         continue

@@ -1,6 +1,7 @@
-"""Profile input for Nsight Compute: our M=1 W4A16 GEMVs (``--paths``, default
-``gemv6`` and ``gemv5``) beside torch's tinygemm int4 and cuBLAS bf16 on one
-shape (default Llama-70B gate+up, N=57344, K=8192), each launched ``--reps`` times.
+"""Profile input for Nsight Compute: our W4A16 kernels (``--paths``, default
+``gemv6`` and ``gemv5``; ``mma`` and ``gemm`` for M > 2) beside torch's tinygemm
+int4 and cuBLAS bf16 on one shape (default Llama-70B gate+up, N=57344, K=8192)
+and ``--m`` activation rows (default 1), each launched ``--reps`` times.
 
     ncu --clock-control none --kernel-name regex:'gemv|tinygemm|bf16x2|resident' --launch-skip 6 \\
         --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \\
@@ -22,6 +23,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=57344)
     parser.add_argument("--k", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--paths", default="gemv6,gemv5,tinygemm,cublas")
     args = parser.parse_args()
     sys.path.insert(0, os.environ.get("PEERS_DIR", ".peers"))
@@ -33,9 +35,9 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(args.n, args.k, device="cuda", generator=gen).bfloat16() * 0.02
     wq = nvfp4.quantize(w)
-    x = torch.randn(1, args.k, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(args.m, args.k, device="cuda", generator=gen).bfloat16()
     fns = {"tinygemm": lambda: tiny(x), "cublas": lambda: x @ w.t()}
-    for p in ("gemv4", "gemv5", "gemv6"):
+    for p in ("gemv4", "gemv5", "gemv6", "mma", "gemm"):
         fns[p] = lambda p=p: gm.linear_w4a16(x, wq, path=p)
     labels = args.paths.split(",")
     tiny = peers.make_tinygemm(w) if "tinygemm" in labels else None
