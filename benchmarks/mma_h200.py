@@ -60,6 +60,12 @@ def main() -> int:
         y = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
         return mma.matmul(x, words, sbits, enc, None, bias, y, cfg=cfg)
 
+    # 0. the dispatch's guard: the kernel's self-test on this GPU (None = passed, the kernel is used)
+    t_ready = time.time()
+    out["mma_ready"] = gm.mma_unavailable_reason(16, 4096, torch.bfloat16, torch.device("cuda"))
+    out["mma_ready_s"] = time.time() - t_ready
+    print("mma ready:", out["mma_ready"], "%.1fs" % out["mma_ready_s"], flush=True)
+
     # 1. every code, every kind of scale, ragged tiles
     for (m, n, k) in [(3, 1000, 1088), (13, 1000, 3072), (16, 4096, 4096), (40, 2048, 1152), (64, 512, 8192),
                       (1, 300, 4096)]:
@@ -106,7 +112,7 @@ def main() -> int:
                 row["gemm_us"] = 1000 * peers.bench(lambda: gm.linear_w4a16(x, wq, path="gemm"))
             row["mma_cfg"] = list(mma.config(m, n, k))
             row["mma_us"] = 1000 * peers.bench(lambda: run_mma(x, wq))
-            if SWEEP and m in (16, 64):
+            if SWEEP and m in (16, 64) and (ROUND != 2 or m == 16):
                 sweep = {}
                 bm = max(8, triton_pow2(m))
                 grid = itertools.product((64, 128), (2, 4), (64, 128), (1, 2, 4, 8), (0, 3, 4)) if m == 16 \
@@ -115,12 +121,21 @@ def main() -> int:
                     grid = [(bn, w_, 128, k // mma.k_split(n, k, bn, 128), st)
                             for (bn, w_) in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
                             for st in (2, 3, 4)] if m == 16 else []
+                if ROUND == 3:  # two (or four) K steps a ring slot: a slot's copies stay long, registers follow BK
+                    tiles = ((128, 4, 64, 2), (128, 4, 64, 4), (128, 4, 128, 2), (128, 4, 128, 1), (64, 2, 64, 2),
+                             (128, 2, 64, 2), (256, 4, 64, 2)) if m == 16 else \
+                        ((64, 2, 64, 1), (64, 2, 64, 2), (128, 2, 64, 2), (128, 4, 64, 2), (64, 2, 32 * 2, 4))
+                    grid = [(bn, w_, bk, k // mma.k_split(n, k, bn, bk * sub), (st, sub))
+                            for (bn, w_, bk, sub) in tiles for st in (2, 3)]
                 for bn, warps, bk, split, pf in grid:
-                    if bn % (16 * warps) or k % split or (k // split) % bk:
+                    sub = 1
+                    if isinstance(pf, tuple):
+                        pf, sub = pf
+                    if bn % (16 * warps) or k % split or (k // split) % (bk * sub):
                         continue
                     if time.time() - t0 > budget:
                         break
-                    cfg = (bn, bm, bk, warps, k // split, pf)
+                    cfg = (bn, bm, bk, warps, k // split, pf, sub)
                     try:
                         err = rel(run_mma(x, wq, cfg=cfg), ref)
                         sweep[str(cfg)] = {"us": 1000 * peers.bench(lambda: run_mma(x, wq, cfg=cfg)), "err": err}

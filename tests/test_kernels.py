@@ -428,3 +428,37 @@ def test_gemvs_take_packed_codes_at_an_unaligned_address(tk):
     ref = x.float() @ wq.dequantize(torch.float32).T
     for path in ("gemv4", "gemv5", "gemv6", "gemm"):
         assert _rel(gm.linear_w4a16(x, shifted, path=path), ref) < 1e-2, path
+
+
+@interpreted
+def test_a_failed_automatic_mma_launch_falls_back_to_the_tiled_gemm(tk, monkeypatch):
+    """The Gluon kernel is the automatic choice for 3 <= M <= 64 on CUDA: if its launch
+    fails there (a config its self-test did not build), the call still returns the tiled
+    GEMM's result, warns, and the kernel is not used again on that device; an
+    explicitly requested path="mma" raises instead."""
+    _, gm = tk
+    mma = importlib.import_module("fp4ptq.kernels.mma")
+    monkeypatch.setattr(mma, "_READY", {})
+    monkeypatch.setattr(gm, "mma_unavailable_reason", lambda *a: mma._READY.get(-1))
+    monkeypatch.setattr(gm, "_auto_path", lambda m, *a, **k: "mma" if mma._READY.get(-1) is None else "gemm")
+
+    def broken(*a, **k):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(mma, "matmul", broken)
+    g = torch.Generator().manual_seed(3)
+    w = nvfp4.quantize(torch.randn(48, 128, generator=g))
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    want = gm.linear_w4a16(x, w, path="gemm")
+    with pytest.warns(UserWarning, match="not used on cuda"):
+        got = gm.linear_w4a16(x, w)
+    assert torch.equal(got, want) and "PassManager" in mma._READY[-1]
+    assert gm.linear_w4a16(x, w) is not None  # no second warning needed: the dispatch now skips it
+    amax = x.float().abs().amax()
+    mma._READY.clear()
+    with pytest.warns(UserWarning, match="not used on cuda"):
+        got4 = gm.linear_w4a4(x, w, amax)
+    assert torch.equal(got4, gm.linear_w4a4(x, w, amax, path="gemm"))
+    mma._READY.clear()
+    with pytest.raises(RuntimeError, match="PassManager"):
+        gm.linear_w4a16(x, w, path="mma")

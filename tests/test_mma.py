@@ -91,9 +91,10 @@ def test_decode_asm_is_generated_from_the_shift_table():
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
-    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
-    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SUB=1, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
+    dict(BN=128, BM=16, BK=64, WARPS=4, STAGES=3, SUB=2, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SUB=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SUB=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
 ])
 def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     """The shipped kernel builds for the H200's sm_90: bf16 mma.sync m16n8k16 fed from
@@ -139,6 +140,7 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(mma, "ready", lambda device: None)  # its self-test passed on that device
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
     assert gemm._auto_path(16, torch.bfloat16, True, 4096, cuda) == "mma"
@@ -152,9 +154,33 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert gemm._auto_path(16, torch.bfloat16, False, 4112, cuda) == "gemm"
     monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+    monkeypatch.setattr(gemm, "MMA_MAX_M", 64)
+    monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
+    assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
+    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
 
 
 def test_explicit_mma_path_off_cuda_raises_with_the_reason():
     w = nvfp4.quantize(torch.randn(64, 128))
     with pytest.raises(ValueError, match="CUDA only"):
         gemm.linear_w4a16(torch.randn(4, 128).bfloat16(), w, path="mma")
+
+
+def test_self_test_runs_once_per_device_and_a_failure_warns(monkeypatch):
+    monkeypatch.setattr(mma, "_READY", {})
+    calls = []
+
+    def failing(device):
+        calls.append(device)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(mma, "_self_test", failing)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.warns(UserWarning, match="not used on cuda:0"):
+        assert "PassManager" in mma.ready(torch.device("cuda"))
+    assert "PassManager" in mma.ready(torch.device("cuda", 0)) and len(calls) == 1
+    monkeypatch.setattr(mma, "_self_test", lambda device: None)
+    assert mma.ready(torch.device("cuda", 1)) is None
+    with pytest.warns(UserWarning, match="any more"):
+        mma.disable(torch.device("cuda", 1), "failed at M=16")
+    assert mma.ready(torch.device("cuda", 1)) == "failed at M=16"

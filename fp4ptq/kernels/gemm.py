@@ -820,10 +820,10 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "the mma path needs mma.sync (sm_80 or later)"
     try:
-        from . import mma  # noqa: F401
+        from . import mma
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
         return f"Triton's Gluon dialect is not usable here ({exc})"
-    return None
+    return mma.ready(device)  # compiled and self-tested once per device
 
 
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
@@ -853,7 +853,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         raise nvfp4.NVFP4Error(f"Triton NVFP4 GEMM takes bf16/fp16 activations, got {x2.dtype}")
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if path is None:
+    auto = path is None
+    if auto:
         path = _auto_path(m, x2.dtype, x_enc is not None, k, x2.device, n)
     if amax is not None and path != "gemv6":
         raise ValueError(f"quantizing activations inside the GEMM is the gemv6 path's, not {path!r}'s")
@@ -888,8 +889,14 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             raise ValueError(reason)
         from . import mma
 
-        return mma.matmul(x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else None,
-                          bias.contiguous() if has_bias else None, y)
+        try:
+            return mma.matmul(x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else None,
+                              bias.contiguous() if has_bias else None, y)
+        except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
+            if not auto:
+                raise
+            mma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
+            path = "gemm"  # the tiled GEMM takes every shape
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
@@ -962,6 +969,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     input_amax = input_amax.to(device=x.device, dtype=torch.float32)
     if four_six not in quantize_kernel.FOUR_SIX_CODES:
         raise nvfp4.NVFP4Error(f"unknown Four Over Six rule {four_six!r}; choose one of {nvfp4.FOUR_SIX_RULES}")
+    requested = path
     if path is None:
         path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device, weight.shape[0])
         if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
@@ -979,7 +987,9 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
     else:
         xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six)
-        y = _matmul(xs, weight, bias, x_enc, path=path, out=out)
+        # an automatic choice stays automatic (the shape rules give the same path, and a failed
+        # mma launch can fall back)
+        y = _matmul(xs, weight, bias, x_enc, path=None if requested is None else path, out=out)
     return y.reshape(*lead, y.shape[-1])
 
 
