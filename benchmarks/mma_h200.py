@@ -29,7 +29,9 @@ from bench_kernels_h200 import SHAPES  # noqa: E402
 
 MS = [int(m) for m in os.environ.get("MMA_MS", "4,8,16,32,64").split(",")]
 SWEEP = os.environ.get("MMA_SWEEP", "1") == "1"
-# round 2 (after the first sweep): M = 16 only, warps per program x rows x ring depth, K step 128
+# round 2 (after the first sweep): M = 16 only, warps per program x rows x ring depth, K step 128;
+# round 3 (several K steps a ring slot, ``SUB``) ran at commit cfb71ef (results/mma_h200_sweep4.json; no
+# faster, removed after)
 ROUND = int(os.environ.get("MMA_ROUND", 1))
 SHAPE_FILTER = [s for s in os.environ.get("MMA_SHAPES", "").split(",") if s]
 
@@ -121,21 +123,12 @@ def main() -> int:
                     grid = [(bn, w_, 128, k // mma.k_split(n, k, bn, 128), st)
                             for (bn, w_) in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8))
                             for st in (2, 3, 4)] if m == 16 else []
-                if ROUND == 3:  # two (or four) K steps a ring slot: a slot's copies stay long, registers follow BK
-                    tiles = ((128, 4, 64, 2), (128, 4, 64, 4), (128, 4, 128, 2), (128, 4, 128, 1), (64, 2, 64, 2),
-                             (128, 2, 64, 2), (256, 4, 64, 2)) if m == 16 else \
-                        ((64, 2, 64, 1), (64, 2, 64, 2), (128, 2, 64, 2), (128, 4, 64, 2), (64, 2, 32 * 2, 4))
-                    grid = [(bn, w_, bk, k // mma.k_split(n, k, bn, bk * sub), (st, sub))
-                            for (bn, w_, bk, sub) in tiles for st in (2, 3)]
                 for bn, warps, bk, split, pf in grid:
-                    sub = 1
-                    if isinstance(pf, tuple):
-                        pf, sub = pf
-                    if bn % (16 * warps) or k % split or (k // split) % (bk * sub):
+                    if bn % (16 * warps) or k % split or (k // split) % bk:
                         continue
                     if time.time() - t0 > budget:
                         break
-                    cfg = (bn, bm, bk, warps, k // split, pf, sub)
+                    cfg = (bn, bm, bk, warps, k // split, pf)
                     try:
                         err = rel(run_mma(x, wq, cfg=cfg), ref)
                         sweep[str(cfg)] = {"us": 1000 * peers.bench(lambda: run_mma(x, wq, cfg=cfg)), "err": err}

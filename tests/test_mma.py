@@ -91,10 +91,9 @@ def test_decode_asm_is_generated_from_the_shift_table():
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SUB=1, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
-    dict(BN=128, BM=16, BK=64, WARPS=4, STAGES=3, SUB=2, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
-    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SUB=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
-    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SUB=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
+    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
 ])
 def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     """The shipped kernel builds for the H200's sm_90: bf16 mma.sync m16n8k16 fed from

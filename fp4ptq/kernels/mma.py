@@ -173,7 +173,7 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
 def _mma_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
-    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
 ):
@@ -198,45 +198,39 @@ def _mma_kernel(
     k_lo = pid_k * K_SPLIT
     k_last = k_lo + K_SPLIT - BK
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    if STAGES >= 2:  # cp.async ring of STAGES slots of SUB steps each in shared memory
+    if STAGES >= 2:  # cp.async ring of STAGES steps in shared memory
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, BK // 8], flat)
-        s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES * SUB, BN, BK // 16], flat)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
+        s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
         # activations K-major, 16-byte chunks XOR-swizzled by column: the 8 columns a warp reads at once
         # fall in 8 different bank groups (unswizzled, every 256-byte column starts in bank 0: 16-way conflicts)
         k_major: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
-        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES * SUB, BK, BM], k_major)
+        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BK, BM], k_major)
         rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
         xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
         xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
-        SLOT: gl.constexpr = SUB * BK  # K a slot (one commit group, one barrier)
-        k_end = k_lo + K_SPLIT - SLOT
         for i in gl.static_range(STAGES - 1):
-            kc = gl.multiple_of(gl.minimum(k_lo + i * SLOT, k_end), SLOT)
-            for h in gl.static_range(SUB):
-                _copy(w_ring.index(i * SUB + h), w_ptr + (kc + h * BK) // 8 + w_off)
-                _copy(s_ring.index(i * SUB + h), s_ptr + (kc + h * BK) // 16 + sc_off)
-                _copy(x_ring.index(i * SUB + h), x_ptr + (kc + h * BK) + xc_off)
+            kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+            _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+            _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+            _copy(x_ring.index(i), x_ptr + kc + xc_off)
             async_copy.commit_group()
-        for i in range(K_SPLIT // SLOT):
+        for i in range(K_SPLIT // BK):
             async_copy.wait_group(STAGES - 2)
-            _sync()  # slot i is in; every thread is done with slot i - 1
+            _sync()  # step i is in; every thread is done with step i - 1's slot
             slot = i % STAGES
+            wp = w_ring.index(slot).load(WL)
+            sb = s_ring.index(slot).load(SL)
+            xp = x_ring.index(slot).load(XL)
             nxt = (i + STAGES - 1) % STAGES
-            kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * SLOT, k_end), SLOT)  # past the end: a reload
-            for h in gl.static_range(SUB):
-                wp = w_ring.index(slot * SUB + h).load(WL)
-                sb = s_ring.index(slot * SUB + h).load(SL)
-                xp = x_ring.index(slot * SUB + h).load(XL)
-                if h == 0:
-                    for h2 in gl.static_range(SUB):
-                        _copy(w_ring.index(nxt * SUB + h2), w_ptr + (kc + h2 * BK) // 8 + w_off)
-                        _copy(s_ring.index(nxt * SUB + h2), s_ptr + (kc + h2 * BK) // 16 + sc_off)
-                        _copy(x_ring.index(nxt * SUB + h2), x_ptr + (kc + h2 * BK) + xc_off)
-                    async_copy.commit_group()
-                a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
-                acc = mma_v2(a, b, acc)
+            kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a reload
+            _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
+            _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
+            _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
+            async_copy.commit_group()
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
     elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
@@ -322,9 +316,8 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         raise TypeError(f"the mma path takes bf16 activations, got {x2.dtype}")
     if not supports(m, n, k):
         raise ValueError(f"the mma path takes M <= {MAX_M} and K % 64 == 0, got M={m}, K={k}")
-    bn, bm, bk, warps, k_split, stages, *rest = cfg or config(m, n, k, _sm_count(x2.device))
-    sub = rest[0] if rest else 1
-    if k % k_split or k_split % (bk * sub) or bn % (16 * warps) or bm < m:
+    bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
+    if k % k_split or k_split % bk or bn % (16 * warps) or bm < m:
         raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
         x2 = x2.clone(memory_format=torch.contiguous_format)
@@ -340,7 +333,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     _mma_kernel[(triton.cdiv(n, bn), splits)](
         x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
-        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), SUB=sub,
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
     )
     if splits > 1:

@@ -1,0 +1,63 @@
+"""``NVFP4Linear`` on the GPU as a model calls it: SmolLM2-135M's layer shapes
+(q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536), activations
+``[batch, tokens, K]`` for batch x tokens from 1 to 512 rows, W4A16 and W4A4,
+through the automatic dispatch (which picks gemv6, the Gluon mma kernel, the
+tiled GEMM or dequantize + cuBLAS by rows) against the PyTorch reference
+backend. Records the path each call took and the relative error (< 1e-2).
+
+    python3 benchmarks/gpu_module_check_h200.py   # $OUT/gpu_module_check_h200.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    from fp4ptq import kernels, nvfp4
+    from fp4ptq.kernels import gemm as gm
+    from fp4ptq.modules import NVFP4Linear
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"q_o": (576, 576), "k_v": (192, 576), "gate_up": (1536, 576), "down": (576, 1536)}
+    batches = [(1, 1), (1, 2), (2, 2), (1, 3), (4, 4), (1, 16), (2, 8), (8, 8), (2, 32), (1, 65), (4, 128)]
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "warnings": []}
+    worst = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=dev, generator=g) * 0.05
+            bias = torch.randn(n, device=dev, generator=g).bfloat16()
+            wq = nvfp4.quantize(w.bfloat16())
+            for scheme in ("w4a16", "w4a4"):
+                amax = torch.tensor(3.0, device=dev)
+                mod = NVFP4Linear.from_quantized(wq, bias, scheme=scheme, input_amax=amax if scheme == "w4a4" else None)
+                for b, t in batches:
+                    x = torch.randn(b, t, k, device=dev, generator=g).bfloat16()
+                    y = mod(x)
+                    if scheme == "w4a4":
+                        ref = kernels.linear_w4a4(x.float(), wq, mod.input_amax(), bias.float(), backend="reference")
+                    else:
+                        ref = kernels.linear_w4a16(x.float(), wq, bias.float(), backend="reference")
+                    err = float((y.float() - ref).norm() / ref.norm())
+                    worst = max(worst, err)
+                    path = gm._auto_path(b * t, x.dtype, scheme == "w4a4", k, dev, n)
+                    row = {"layer": name, "n": n, "k": k, "scheme": scheme, "batch": b, "tokens": t, "rows": b * t,
+                           "path": path, "shape_ok": list(y.shape) == [b, t, n], "rel_err": err}
+                    out["rows"].append(row)
+                    print(row, flush=True)
+        out["warnings"] = [str(w.message)[:300] for w in caught]
+    out["worst_rel_err"] = worst
+    out["all_ok"] = worst < 1e-2 and all(r["shape_ok"] for r in out["rows"])
+    print("worst", worst, "all_ok", out["all_ok"], "paths", sorted({r["path"] for r in out["rows"]}), flush=True)
+    Path(os.environ.get("OUT", "."), "gpu_module_check_h200.json").write_text(json.dumps(out, indent=1))
+    return 0 if out["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
