@@ -365,6 +365,24 @@ def test_w4a4_matches_reference(tk, four_six, path, m):
 
 
 @interpreted
+@pytest.mark.parametrize("path", ["cublas", "gemm"])
+def test_w4a4_fp16_does_not_overflow_before_the_global_scales(tk, path):
+    """W4A4 multiplies v * scale operands (up to 6 * 448 each) and divides by both global
+    scales afterwards: one such product is past fp16's 65504, so fp16 activations must not
+    take an fp16 product (found on the H200: inf from dequantize + cuBLAS at M >= 65)."""
+    _, gm = tk
+    m, n, k = 7, 40, 128
+    g = torch.Generator().manual_seed(11)
+    wq = nvfp4.quantize(torch.randn(n, k, generator=g) * 0.05)
+    x = (torch.randn(m, k, generator=g) * 2).half()
+    amax = x.float().abs().amax()  # the largest activation gets the largest code and scale
+    ref = kernels.linear_w4a4(x.float(), wq, amax, backend="reference")
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    y = gm.linear_w4a4(x, wq, amax, path=path, out=out)
+    assert torch.isfinite(y).all() and _rel(y, ref) < 1e-2
+
+
+@interpreted
 def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkeypatch):
     x = _activations(4, 64, torch.bfloat16, seed=7)
     q = kernels.quantize(x, "mse", backend="triton")

@@ -873,9 +873,17 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             return torch.addmm(bias, x2, w.t(), out=y) if has_bias else torch.mm(x2, w.t(), out=y)
         # W4A4: exact v*scale operands, fp32 accumulation in cuBLAS; the bf16/fp16
         # product is then scaled by 1/(global_w * global_x): one extra rounding.
-        w = dequantize(weight, x2.dtype, unit_global=True)
-        torch.mm(x2, w.t(), out=y)
-        y.mul_(torch.reciprocal(enc * x_enc.reshape(1)))  # fp32 factor, computed in fp32
+        factor = torch.reciprocal(enc * x_enc.reshape(1))  # fp32, computed in fp32
+        if x2.dtype == torch.float16:
+            # v * scale reaches 6 * 448 on both sides, so one product can pass fp16's 65504 before
+            # the global scales divide it: multiply in bf16 (the operands are exact there too),
+            # scale in fp32, round once into fp16 (the bf16 product adds a 2^-9 rounding)
+            w = dequantize(weight, torch.bfloat16, unit_global=True)
+            y.copy_(torch.mm(x2.to(torch.bfloat16), w.t()) * factor)
+        else:
+            w = dequantize(weight, x2.dtype, unit_global=True)
+            torch.mm(x2, w.t(), out=y)
+            y.mul_(factor)
         return y.add_(bias) if has_bias else y
     if path == "dot_scaled":  # FP4 tensor cores (sm_100+); bf16/fp16 x here, NVFP4 x from linear_w4a4
         from . import dot_scaled  # (it imports this module's output scaling)
