@@ -34,16 +34,21 @@ def _int16(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 32768, v - 65536, v)
 
 
-def _halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    lo = _int16(r & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
-    hi = _int16((r >> 16) & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+def _halves(r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    lo = _int16(r & 0xFFFF).to(torch.int16).view(dtype).double()
+    hi = _int16((r >> 16) & 0xFFFF).to(torch.int16).view(dtype).double()
     return lo, hi
 
 
-def test_decode_bit_moves_give_every_code_times_its_scale():
-    """Register p of a word holds codes p and p + 4 as bf16 ``v * 2^-126``; times the
-    bf16 ``scale * 2^100`` it is ``v * scale * 2^-26`` (exact): every code, under
-    normal, subnormal and the largest E4M3 scales."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_decode_bit_moves_give_every_code_times_its_scale(fmt):
+    """Register p of a word holds codes p and p + 4 as ``v * 2^-126`` (bf16) or
+    ``v * 2^-14`` (fp16); times the scale operand (bf16 ``scale * 2^100`` / fp16
+    ``scale``) it is ``v * scale * 2^-26`` / ``v * scale * 2^-14``, exactly: every
+    code, under normal, subnormal and the largest E4M3 scales."""
+    shifts, mag_mask, dtype, place, s_pow, out_pow = {
+        "bf16": (mma.DECODE_SHIFTS, mma.MAG_MASK, torch.bfloat16, 2.0**126, 2.0**100, 2.0**-26),
+        "fp16": (mma.DECODE_SHIFTS_F16, mma.MAG_MASK_F16, torch.float16, 2.0**14, 1.0, 2.0**-14)}[fmt]
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
     words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every code once
@@ -52,15 +57,14 @@ def test_decode_bit_moves_give_every_code_times_its_scale():
     sbytes = torch.randint(0, 127, (4096,), generator=gen, dtype=torch.int64)
     sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])
     scale = sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
-    for p, (mag, sign) in enumerate(mma.DECODE_SHIFTS):
-        r = (_shl(words, mag) & mma.MAG_MASK) | (_shl(words, sign) & mma.SIGN_MASK)
-        lo, hi = _halves(r)
-        assert torch.equal(lo * 2.0**126, ref[:, p]) and torch.equal(hi * 2.0**126, ref[:, p + 4]), p
-        # the scale operand: scale * 2^100 is exact in bf16, so is the product (mul.rn.bf16x2)
-        s_bf16 = (scale * 2.0**100).to(torch.bfloat16).double()
-        assert torch.equal(s_bf16, scale * 2.0**100)
-        prod = (lo * s_bf16).to(torch.bfloat16).double()
-        assert torch.equal(prod, ref[:, p] * scale * 2.0**-26), p
+    s_op = (scale * s_pow).to(dtype).double()
+    assert torch.equal(s_op, scale * s_pow)  # the scale operand is exact
+    for p, (mag, sign) in enumerate(shifts):
+        r = (_shl(words, mag) & mag_mask) | (_shl(words, sign) & mma.SIGN_MASK)
+        lo, hi = _halves(r, dtype)
+        assert torch.equal(lo * place, ref[:, p]) and torch.equal(hi * place, ref[:, p + 4]), p
+        prod = (lo * s_op).to(dtype).double()  # mul.rn on the pair: exact, so no rounding to model
+        assert torch.equal(prod, ref[:, p] * scale * out_pow), p
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
@@ -82,11 +86,13 @@ def test_activation_pairing_matches_the_decode_order():
     assert mma._PAIR_X.value.count("prmt.b32") == 4
 
 
-def test_decode_asm_is_generated_from_the_shift_table():
-    text = mma._DECODE.value
-    assert text.count("mul.rn.bf16x2") == 4
-    for p, (mag, sign) in enumerate(mma.DECODE_SHIFTS):
-        assert f"mul.rn.bf16x2 ${p}, a, $12;" in text
+@pytest.mark.parametrize("asm,shifts,mul", [("_DECODE", "DECODE_SHIFTS", "mul.rn.bf16x2"),
+                                             ("_DECODE_F16", "DECODE_SHIFTS_F16", "mul.rn.f16x2")])
+def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
+    text = getattr(mma, asm).value
+    assert text.count(mul) == 4
+    for p, (mag, sign) in enumerate(getattr(mma, shifts)):
+        assert f"{mul} ${p}, a, $12;" in text
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
@@ -94,9 +100,10 @@ def test_decode_asm_is_generated_from_the_shift_table():
     dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
     dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
     dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=False, HAS_BIAS=True, HAS_XENC=False, DT="fp16"),
 ])
 def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
-    """The shipped kernel builds for the H200's sm_90: bf16 mma.sync m16n8k16 fed from
+    """The shipped kernel builds for the H200's sm_90: bf16/fp16 mma.sync m16n8k16 fed from
     registers (the layout conversions are asserted trivial at compile time), cp.async
     for the ring, no spills to local memory."""
     import triton
@@ -104,9 +111,10 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ce = dict(cfg)
+    dt = ce.pop("DT", "bf16")
     ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
-    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
-             "bias_ptr": "*bf16", "y_ptr": "*fp32" if cfg["SPLIT"] else "*bf16"}
+    types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": f"*{dt}", "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
     fn = mma._mma_kernel
     sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
     # as at run time: torch allocations are 16-byte aligned (matmul clones any operand that is not)
@@ -118,7 +126,8 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
         pytest.skip(f"cannot compile for sm_90 here: {exc}")
     ptx = k.asm["ptx"]
-    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
+    ty = "f16" if dt == "fp16" else "bf16"
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{ty}\.{ty}\.f32", ptx)
     assert ("cp.async" in ptx) == (cfg["STAGES"] >= 2)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -147,8 +156,11 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert gemm._auto_path(2, torch.bfloat16, False, 8192, cuda, 57344) == "mma"  # beat gemv6 there
     assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 4096) == gemm.GEMV_PATH
     assert gemm._auto_path(65, torch.bfloat16, False, 4096, cuda) == "cublas"
-    assert "bf16" in gemm.mma_unavailable_reason(16, 4096, torch.float16, cuda)
-    assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "gemm"
+    assert "bf16 or fp16" in gemm.mma_unavailable_reason(16, 4096, torch.float32, cuda)
+    assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
+    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == "mma"  # the fp16 GEMV is gemv4
+    assert gemm._auto_path(1, torch.float16, False, 4096, cuda, 6144) == "gemv4"  # gemv4 still wins there
+    assert gemm._auto_path(2, torch.float16, False, 4096, cuda, 6144) == "mma"
     assert "K % 64" in gemm.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
     assert gemm._auto_path(16, torch.bfloat16, False, 4112, cuda) == "gemm"
     monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off

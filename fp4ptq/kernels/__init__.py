@@ -13,7 +13,7 @@ and ``gemm.py`` (W4A16 GEMVs for M <= 2 (packed bf16x2 with the activation
 row held in registers for bf16 activations, fp32 for fp16), tiled GEMM for
 M <= 63, dequantize + cuBLAS above; W4A4 on the same paths after quantizing
 the activations), ``mma.py`` (Gluon: the weight decoded in registers straight
-into ``mma.sync``, M <= 64 with bf16 activations on CUDA, ahead of the tiled
+into ``mma.sync``, M <= 64 with bf16/fp16 activations on CUDA, ahead of the tiled
 GEMM there) and ``dot_scaled.py`` (NVFP4 x NVFP4 on the FP4 tensor cores
 of sm_100 and later through ``tl.dot_scaled``, used for W4A4 there after a
 self-test on the device).

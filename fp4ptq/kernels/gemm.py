@@ -7,7 +7,7 @@ activation row resident in registers and persistent programs over row tiles
 (M <= 2, bf16 activations; K split into power-of-two segments when it is not
 one), ``gemv5`` its predecessor (x re-read every step), ``gemv4`` fp32 GEMV
 (M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``mma`` the
-Gluon tensor-core kernel (``mma.py``; 3 <= M <= 64, bf16 activations, K % 64
+Gluon tensor-core kernel (``mma.py``; 3 <= M <= 64, bf16/fp16 activations, K % 64
 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``cublas`` dequantize + cuBLAS (M >= 64, or 65 with ``mma``), ``dot_scaled``
 FP4 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it
@@ -653,7 +653,7 @@ GEMV6_MAXNREG = int(os.environ.get("FP4PTQ_GEMV6_MAXNREG", 0)) or None
 # (session-4 H200 sweep: 1.1-1.5x slower than the quantize kernel + gemv6 on every shape).
 W4A4_FUSED = os.environ.get("FP4PTQ_W4A4_FUSED", "0") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
-# M in (GEMV_MAX_M, MMA_MAX_M] with bf16 activations: the Gluon tensor-core kernel (mma.py) on CUDA
+# M in (GEMV_MAX_M, MMA_MAX_M] with bf16/fp16 activations: the Gluon tensor-core kernel (mma.py) on CUDA
 # (session-5 H200 sweep, results/mma_h200.json: 1.0-1.8x cuBLAS at M = 16, ahead of the tiled GEMM
 # and of dequantize + cuBLAS up to M = 64). 0 turns it off.
 MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
@@ -813,8 +813,8 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     """Why the Gluon tensor-core kernel (path "mma") cannot take this input (None when it can)."""
     if INTERPRET or device.type != "cuda":
         return "the mma path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
-    if dtype != torch.bfloat16:
-        return f"the mma path takes bf16 activations, got {dtype}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the mma path takes bf16 or fp16 activations, got {dtype}"
     if not 0 < m <= 64 or k % 64:
         return f"the mma path takes 1 <= M <= 64 rows and K % 64 == 0, got M={m}, K={k}"
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -829,11 +829,17 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
                n: int = 0) -> str:
     """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
-    M = 2 goes to "mma" on layers of more than 4096 x 4096 weights, where it beat gemv6
-    (session-5 H200 run, results/mma_h200_m2.json: 70B.gate_up 120 us against 152)."""
+    "mma" also takes M = 2 on layers of more than 4096 x 4096 weights (session-5 H200 runs: bf16
+    70B.gate_up 120 us against gemv6's 152, results/mma_h200_m2.json; fp16 8B.qkv 11.4 against
+    gemv4's 18.6) and, for fp16, M = 1 on layers of more than 6144 x 4096 (70B.gate_up 126 us
+    against gemv4's 146; at 6144 x 4096 gemv4 still wins, 11.1 against 11.9:
+    results/gpu_module_check_h200.json)."""
     mma_ok = device is not None and MMA_MAX_M >= max(m, 1) and mma_unavailable_reason(m, k, dtype, device) is None
-    if m <= GEMV_MAX_M and not (m == 2 and mma_ok and n * k > 4096 * 4096):
-        return GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+    if m <= GEMV_MAX_M:
+        gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+        if mma_ok and ((m == 2 and n * k > 4096 * 4096) or (gemv == "gemv4" and n * k > 6144 * 4096)):
+            return "mma"
+        return gemv
     if mma_ok:
         return "mma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"

@@ -40,11 +40,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-# A word of 8 codes -> four bf16x2 registers, register p = codes (p, p + 4). Code i sits at bits
-# 4i..4i+3 (sign = bit 3); its magnitude goes to bf16 bits 6..8 of its half (shift 6 - 4i) and its
-# sign to bit 15 (shift 12 - 4i); code i + 4 lands 16 bits higher with the same shifts.
-DECODE_SHIFTS = ((6, 12), (2, 8), (-2, 4), (-6, 0))  # (magnitude, sign) shift of register p
+# A word of 8 codes -> four 16-bit-float pairs, register p = codes (p, p + 4). Code i sits at bits
+# 4i..4i+3 (sign = bit 3). bf16: its magnitude goes to bits 6..8 of its half (shift 6 - 4i), the half
+# is then ``v * 2^-126``; fp16: bits 9..11 (shift 9 - 4i), ``v * 2^-14``. The sign goes to bit 15
+# (shift 12 - 4i); code i + 4 lands 16 bits higher with the same shifts.
+DECODE_SHIFTS = ((6, 12), (2, 8), (-2, 4), (-6, 0))  # bf16: (magnitude, sign) shift of register p
 MAG_MASK = 0x01C001C0
+DECODE_SHIFTS_F16 = ((9, 12), (5, 8), (1, 4), (-3, 0))
+MAG_MASK_F16 = 0x0E000E00
 SIGN_MASK = 0x80008000
 
 
@@ -55,18 +58,21 @@ def _shift(dst: str, amount: int) -> str:
     return f"{op} {dst}, $4, {abs(amount)};"
 
 
-def _decode_asm() -> str:
-    """PTX for ``_DECODE``: operands $0-$3 the four registers, $4 the word (the
-    8 copies are one register), $12 the scale pair (bf16x2, scale * 2^100)."""
+def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
+    """PTX of the decode: operands $0-$3 the four registers, $4 the word (the 8
+    copies are one register), $12 the scale pair (bf16x2 ``scale * 2^100`` or
+    f16x2 ``scale``); the product is exact in both (``v * scale * 2^-26`` /
+    ``v * scale * 2^-14``, the latter down to fp16's smallest subnormal)."""
     lines = ["{", ".reg .b32 a, b;"]
-    for p, (mag, sign) in enumerate(DECODE_SHIFTS):
-        lines.append(f"{_shift('a', mag)} {_shift('b', sign)} and.b32 a, a, {MAG_MASK:#010x}; "
-                     f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; mul.rn.bf16x2 ${p}, a, $12;")
+    for p, (mag, sign) in enumerate(shifts):
+        lines.append(f"{_shift('a', mag)} {_shift('b', sign)} and.b32 a, a, {mag_mask:#010x}; "
+                     f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; {mul} ${p}, a, $12;")
     lines.append("}")
     return "\n".join(lines)
 
 
 _DECODE = gl.constexpr(_decode_asm())
+_DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 # 8 activations (k .. k+7 as four bf16x2: $4 = (x0, x1) .. $7 = (x6, x7)) -> the decode's pairs
 # (x0, x4), (x1, x5), (x2, x6), (x3, x7): prmt picks 16-bit halves (selector bytes 0-3: first
@@ -154,18 +160,25 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
     threads (the layout conversions are asserted trivial)."""
     S: gl.constexpr = BK // 32
     T: gl.constexpr = BK // 64
-    # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100, exact in bf16
-    sc = ((sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
-          * 3.2451855365842673e32).to(gl.bfloat16)
+    # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100, exact in
+    # bf16; * 2^8 -> the scale itself in fp16
+    s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+    if xp.dtype == gl.float16:
+        sc = (s32 * 256.0).to(gl.float16)
+    else:
+        sc = (s32 * 3.2451855365842673e32).to(gl.bfloat16)
     w = gl.permute(gl.reshape(wp, [BN, 4, S]), [0, 2, 1])  # [BN, s, c]
     w = gl.convert_layout(gl.reshape(_spread8(w), [BN, BK]), a_l, assert_trivial=True)
     sc = gl.reshape(sc, [BN, 4, T])
     sc = gl.permute(gl.reshape(gl.join(sc, sc), [BN, 4, S]), [0, 2, 1])  # block of (s, c): T c + s // 2
     sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
-    a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
+    if xp.dtype == gl.float16:
+        a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
+    else:
+        a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
     xt = gl.convert_layout(xt, b_l, assert_trivial=True)
-    b = gl.inline_asm_elementwise(_PAIR_X, "=r,=r,=r,=r,r,r,r,r", [xt], gl.bfloat16, True, 8)
+    b = gl.inline_asm_elementwise(_PAIR_X, "=r,=r,=r,=r,r,r,r,r", [xt], xp.dtype, True, 8)
     return a, b
 
 
@@ -248,7 +261,10 @@ def _mma_kernel(
     enc = gl.load(wenc_ptr)
     if HAS_XENC:
         enc = enc * gl.load(xenc_ptr)
-    y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc, one correctly rounded factor
+    if x_ptr.dtype.element_ty == gl.float16:
+        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)  # * 2^14 / global_enc, one correctly rounded factor
+    else:
+        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
     ok = (no < N)[:, None] & (mo < M)[None, :]
@@ -312,8 +328,8 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 
     m, k = x2.shape
     n = words.shape[0]
-    if x2.dtype != torch.bfloat16:
-        raise TypeError(f"the mma path takes bf16 activations, got {x2.dtype}")
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the mma path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
         raise ValueError(f"the mma path takes M <= {MAX_M} and K % 64 == 0, got M={m}, K={k}")
     bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
@@ -346,21 +362,22 @@ _READY: dict = {}
 
 
 def _self_test(device: torch.device) -> Optional[str]:
-    """Two small products against the reference decode: a partial row tile with
-    split K and 128-wide K steps (M = 5), and 64-wide steps with M = 40."""
+    """Small products against the reference decode: a partial row tile with
+    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16."""
     from .. import nvfp4
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k in ((5, 200, 2048), (40, 200, 1152)):
+    for m, n, k, dtype in ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16),
+                           (13, 200, 1024, torch.float16)):
         w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
-        x = torch.randn(m, k, device=device, generator=g).bfloat16()
+        x = torch.randn(m, k, device=device, generator=g).to(dtype)
         words = w.packed.view(torch.int32)
-        y = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+        y = torch.full((m, n), float("nan"), device=device, dtype=dtype)
         matmul(x, words, w.block_scale.view(torch.uint8), w.global_enc.reshape(1).float(), None, None, y)
         ref = x.float() @ w.dequantize(torch.float32).T
         err = float((y.float() - ref).norm() / ref.norm())
         if not err < 1e-2:  # NaN included
-            return f"self-test error {err:.2e} at M={m}, N={n}, K={k} against the reference decode"
+            return f"self-test error {err:.2e} at M={m}, N={n}, K={k} ({dtype}) against the reference decode"
     return None
 
 
