@@ -1,5 +1,6 @@
-"""Small-M W4A16 GEMM on the tensor cores with the NVFP4 weight decoded in
-registers, written in Gluon (Triton's explicit-layout dialect). CUDA only.
+"""Small-M NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) on the
+tensor cores with the weight decoded in registers, written in Gluon (Triton's
+explicit-layout dialect). CUDA only; bf16 or fp16 activations, M <= 64.
 
 Why Gluon: in plain Triton the decoded weight tile reaches the MMA through
 shared memory (a layout conversion per step), and the tiled GEMM stays near
@@ -10,24 +11,33 @@ cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
   its 8-wide columns). With ``k_width = 8`` each thread holds 8 consecutive K
   of a row, i.e. exactly one int32 word of 8 codes. The word is loaded once
   (the 8 elements share an address) and decoded by bit moves into four
-  bf16x2 registers, codes ``(p, p + 4)`` in register ``p``, each the bf16
-  ``v * 2^-126`` (see gemm.py), then multiplied by the block scale as
-  ``scale * 2^100`` (``mul.rn.bf16x2``; the product ``v * scale * 2^-26`` is
-  exact). So the tensor core sees K in the order 0, 4, 1, 5, 2, 6, 3, 7
-  within every 8: the activation (B operand, loaded as 16 bytes per 8 K) is
-  put in the same order with four ``prmt`` per 8 values. A dot product does
-  not depend on the order of its terms' pairs, only on both operands agreeing.
-* Accumulation is fp32 in the MMA; ``2^26 / global_enc`` (/ the activations'
-  global scale for W4A4) is applied once per output, as in the tiled GEMM.
+  16-bit-float pairs, codes ``(p, p + 4)`` in register ``p``: bf16
+  ``v * 2^-126`` times ``scale * 2^100`` (``mul.rn.bf16x2``), or fp16
+  ``v * 2^-14`` times ``scale`` (``mul.rn.f16x2``); both products are exact
+  (see gemm.py for the placements). So the tensor core sees K in the order
+  0, 4, 1, 5, 2, 6, 3, 7 within every 8: the activation (B operand, 16 bytes
+  per 8 K) is put in the same order with four ``prmt`` per 8 values. A dot
+  product does not depend on the order of its terms, only on both operands
+  agreeing.
+* K is relabelled once more so that a thread's words, scale bytes and
+  activations are contiguous in memory (``_layouts``): 16-byte loads, and
+  every layout conversion is asserted trivial at compile time.
+* Loads go through a cp.async ring in shared memory (3 steps by default; the
+  activations' slots XOR-swizzled against bank conflicts), one barrier a step.
+* Accumulation is fp32 in the MMA; ``2^26 / global_enc`` (``2^14`` for fp16;
+  also divided by the activations' global scale for W4A4) is applied once per
+  output, as in the tiled GEMM.
 
 Products ``x * (v * scale)`` are exact in fp32 and summed in fp32, so the
 result matches the tiled GEMM up to summation order. K is split over
 programs (fp32 workspace + gemm.py's ordered summing pass) when N alone
-does not fill the GPU.
+does not fill the GPU. The dispatch uses the kernel on a device only after
+``ready`` (a self-test there) passed.
 
-The Triton interpreter cannot run Gluon: CPU tests compile this kernel for
-sm_90 and check its instructions; the numerics are checked on the GPU
-(benchmarks/mma_h200.py, results/mma_h200.json) against the reference.
+The Triton interpreter cannot run Gluon: CPU tests emulate the decode's bit
+moves, compile this kernel for sm_90 and check its instructions; the numerics
+are checked on the GPU against the reference (benchmarks/mma_h200.py,
+benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
