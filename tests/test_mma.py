@@ -195,3 +195,17 @@ def test_self_test_runs_once_per_device_and_a_failure_warns(monkeypatch):
     with pytest.warns(UserWarning, match="any more"):
         mma.disable(torch.device("cuda", 1), "failed at M=16")
     assert mma.ready(torch.device("cuda", 1)) == "failed at M=16"
+
+
+def test_matmul_refuses_what_it_cannot_tile_before_launching():
+    w = nvfp4.quantize(torch.randn(64, 128))
+    words, sbits, enc = w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_enc.reshape(1)
+    y = torch.empty(65, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M <= 64"):
+        mma.matmul(torch.randn(65, 128).bfloat16(), words, sbits, enc, None, None, y)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        mma.matmul(torch.randn(4, 128), words, sbits, enc, None, None, y)
+    with pytest.raises(ValueError, match="does not tile"):  # a K split that is not whole K steps
+        mma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, None, None, y[:4],
+                   cfg=(64, 8, 128, 2, 96, 3))
+    assert not mma.supports(4, 64, 4112) and not mma.supports(0, 64, 128) and mma.supports(64, 64, 128)
