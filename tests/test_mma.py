@@ -209,3 +209,16 @@ def test_matmul_refuses_what_it_cannot_tile_before_launching():
         mma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, None, None, y[:4],
                    cfg=(64, 8, 128, 2, 96, 3))
     assert not mma.supports(4, 64, 4112) and not mma.supports(0, 64, 128) and mma.supports(64, 64, 128)
+
+
+def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
+    """The self-test syncs with the host, which a graph capture forbids: a first use while
+    capturing takes the tiled GEMM and leaves the test for the next eager call."""
+    monkeypatch.setattr(mma, "_READY", {})
+    calls = []
+    monkeypatch.setattr(mma, "_self_test", lambda device: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert "graph capture" in mma.ready(torch.device("cuda", 0)) and not calls and not mma._READY
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert mma.ready(torch.device("cuda", 0)) is None and len(calls) == 1

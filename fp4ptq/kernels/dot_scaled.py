@@ -206,6 +206,8 @@ def ready(device: torch.device, fmt: str) -> Optional[str]:
         if major < 10:
             _READY[key] = f"sm_{major}{minor} has no FP4 tensor cores (tl.dot_scaled needs sm_100 or later)"
             return _READY[key]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # the self-test syncs: not inside a graph capture
+            return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
         try:
             _READY[key] = _self_test(torch.device("cuda", key[0]), fmt)
         except Exception as exc:  # noqa: BLE001 - a compiler without this lowering: fall back
