@@ -166,6 +166,12 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
     monkeypatch.setattr(gemm, "MMA_MAX_M", 64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "sm_80" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert "ROCm" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"

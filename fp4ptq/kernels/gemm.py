@@ -817,6 +817,8 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
         return f"the mma path takes bf16 or fp16 activations, got {dtype}"
     if not 0 < m <= 64 or k % 64:
         return f"the mma path takes 1 <= M <= 64 rows and K % 64 == 0, got M={m}, K={k}"
+    if getattr(torch.version, "hip", None):
+        return "the mma path is NVIDIA PTX (mma.sync, cp.async): not on ROCm"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "the mma path needs mma.sync (sm_80 or later)"
     try:
