@@ -654,8 +654,8 @@ GEMV6_MAXNREG = int(os.environ.get("FP4PTQ_GEMV6_MAXNREG", 0)) or None
 W4A4_FUSED = os.environ.get("FP4PTQ_W4A4_FUSED", "0") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 # M in (GEMV_MAX_M, MMA_MAX_M] with bf16/fp16 activations: the Gluon tensor-core kernel (mma.py) on CUDA
-# (session-5 H200 sweep, results/mma_h200.json: 1.0-1.8x cuBLAS at M = 16, ahead of the tiled GEMM
-# and of dequantize + cuBLAS up to M = 64). 0 turns it off.
+# (session-5 H200 sweeps, results/mma_h200_sweep*.json and kernels_h200.md: 1.2-1.9x cuBLAS at M = 16,
+# ahead of the tiled GEMM and of dequantize + cuBLAS up to M = 64). 0 turns it off.
 MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -836,13 +836,15 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     gemv4's 18.6) and, for fp16, M = 1 on layers of more than 6144 x 4096 (70B.gate_up 126 us
     against gemv4's 146; at 6144 x 4096 gemv4 still wins, 11.1 against 11.9:
     results/gpu_module_check_h200.json)."""
-    mma_ok = device is not None and MMA_MAX_M >= max(m, 1) and mma_unavailable_reason(m, k, dtype, device) is None
+    def mma_ok() -> bool:  # asked only where mma would be picked (its first use runs the self-test)
+        return device is not None and MMA_MAX_M >= m and mma_unavailable_reason(m, k, dtype, device) is None
+
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
-        if mma_ok and ((m == 2 and n * k > 4096 * 4096) or (gemv == "gemv4" and n * k > 6144 * 4096)):
+        if ((m == 2 and n * k > 4096 * 4096) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
-    if mma_ok:
+    if mma_ok():
         return "mma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
