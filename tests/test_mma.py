@@ -9,6 +9,7 @@ numerics on the GPU: benchmarks/mma_h200.py (results/mma_h200.json).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -193,11 +194,13 @@ def test_self_test_runs_once_per_device_and_a_failure_warns(monkeypatch):
 
     monkeypatch.setattr(mma, "_self_test", failing)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    entered = []  # the self-test runs with its device current (Triton launches on the current device)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index) or contextlib.nullcontext())
     with pytest.warns(UserWarning, match="not used on cuda:0"):
         assert "PassManager" in mma.ready(torch.device("cuda"))
     assert "PassManager" in mma.ready(torch.device("cuda", 0)) and len(calls) == 1
     monkeypatch.setattr(mma, "_self_test", lambda device: None)
-    assert mma.ready(torch.device("cuda", 1)) is None
+    assert mma.ready(torch.device("cuda", 1)) is None and entered == [0, 1]
     with pytest.warns(UserWarning, match="any more"):
         mma.disable(torch.device("cuda", 1), "failed at M=16")
     assert mma.ready(torch.device("cuda", 1)) == "failed at M=16"
@@ -223,6 +226,7 @@ def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(mma, "_READY", {})
     calls = []
     monkeypatch.setattr(mma, "_self_test", lambda device: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert "graph capture" in mma.ready(torch.device("cuda", 0)) and not calls and not mma._READY

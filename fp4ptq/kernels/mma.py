@@ -407,7 +407,8 @@ def ready(device: torch.device) -> Optional[str]:
             # call (and so the captured graph) takes the tiled GEMM; the test runs at the next eager call
             return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
         try:
-            _READY[index] = _self_test(torch.device("cuda", index))
+            with torch.cuda.device(index):  # Triton launches on the current device
+                _READY[index] = _self_test(torch.device("cuda", index))
         except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon lowers this differently: fall back
             _READY[index] = f"did not compile or run: {exc!r}"[:300]
         if _READY[index] is not None:
