@@ -232,3 +232,24 @@ def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
     assert "graph capture" in mma.ready(torch.device("cuda", 0)) and not calls and not mma._READY
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert mma.ready(torch.device("cuda", 0)) is None and len(calls) == 1
+
+
+def test_kernel_launches_make_the_tensors_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device: the dispatch makes the activation's GPU
+    current around every Triton launch (a layer on cuda:1 while cuda:0 is current), and
+    leaves CPU tensors alone."""
+    from fp4ptq import kernels
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or contextlib.nullcontext())
+
+    class OnGPU1:
+        is_cuda = True
+        device = torch.device("cuda", 1)
+
+    with kernels._on_device_of(OnGPU1()):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    with kernels._on_device_of(torch.zeros(1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]

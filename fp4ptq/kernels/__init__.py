@@ -21,6 +21,7 @@ the device; the tiled GEMM covers what it cannot take) and ``dot_scaled.py``
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -75,6 +76,13 @@ def _pick(backend: str, x: torch.Tensor, op: str = "quantize", weight: Optional[
     return "triton" if reason is None and x.is_cuda else "reference"
 
 
+def _on_device_of(x: torch.Tensor):
+    """Make x's GPU the current device for the launch: Triton launches on the
+    current device, and a layer placed on another GPU (``device_map``) would
+    otherwise run its kernels where its tensors are not."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def quantize(
     x: torch.Tensor,
     four_six: Optional[str] = None,
@@ -86,7 +94,8 @@ def quantize(
     if _pick(backend, x) == "triton":
         from . import quantize_kernel
 
-        return quantize_kernel.quantize(x, four_six, amax=amax)
+        with _on_device_of(x):
+            return quantize_kernel.quantize(x, four_six, amax=amax)
     return nvfp4.quantize(x, four_six, amax=amax)
 
 
@@ -108,7 +117,8 @@ def linear_w4a16(
     if _pick(backend, x, "linear_w4a16", weight) == "triton":
         from . import gemm
 
-        return gemm.linear_w4a16(x, weight, bias)
+        with _on_device_of(x):
+            return gemm.linear_w4a16(x, weight, bias)
     w_hat = decoded(x.dtype) if decoded is not None else weight.dequantize(x.dtype)
     return torch.nn.functional.linear(x, w_hat, bias)
 
@@ -129,7 +139,8 @@ def linear_w4a4(
     if _pick(backend, x, "linear_w4a4", weight) == "triton":
         from . import gemm
 
-        return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)
+        with _on_device_of(x):
+            return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)
     # Products of E2M1 values and E4M3-derived steps are computed in fp32 here. The fused
     # fake-quantizer equals nvfp4.quantize(...).dequantize(fp32) bit for bit (tests pin it).
     x_hat = nvfp4.fake_quantize_fused(x, four_six, amax=input_amax, dtype=torch.float32, name="activation")
