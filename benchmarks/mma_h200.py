@@ -3,6 +3,10 @@ correctness against the reference decode, then CUDA-graph timings against
 cuBLAS bf16, the tiled Triton GEMM and the current dispatch (us per call).
 
     PEERS_DIR=.peers python3 benchmarks/mma_h200.py   # -> $OUT/mma_h200.json
+    ... | python3 benchmarks/_fmt_mma.py                # one line per shape and M
+
+Knobs: ``MMA_MS`` (rows, default 4,8,16,32,64), ``MMA_SWEEP=0`` (defaults only),
+``MMA_ROUND=2`` (the second sweep), ``MMA_SHAPES``, ``MMA_JSON``, ``BUDGET_S``.
 
 Checks (all must pass before any timing is trusted):
 * random packed bytes (every code) with random E4M3 scale bytes (subnormal,
