@@ -147,7 +147,6 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert "CUDA only" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cpu)
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cpu) == "gemm"
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(gemm, "INTERPRET", False)
     monkeypatch.setattr(mma, "ready", lambda device: None)  # its self-test passed on that device
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
@@ -167,12 +166,6 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
     monkeypatch.setattr(gemm, "MMA_MAX_M", 64)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert "sm_80" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
-    assert "ROCm" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
@@ -194,6 +187,7 @@ def test_self_test_runs_once_per_device_and_a_failure_warns(monkeypatch):
 
     monkeypatch.setattr(mma, "_self_test", failing)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mma, "_device_reason", lambda index: None)  # a GPU that can run it
     entered = []  # the self-test runs with its device current (Triton launches on the current device)
     monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index) or contextlib.nullcontext())
     with pytest.warns(UserWarning, match="not used on cuda:0"):
@@ -227,6 +221,7 @@ def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
     calls = []
     monkeypatch.setattr(mma, "_self_test", lambda device: calls.append(device))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(mma, "_device_reason", lambda index: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert "graph capture" in mma.ready(torch.device("cuda", 0)) and not calls and not mma._READY
@@ -253,3 +248,18 @@ def test_kernel_launches_make_the_tensors_gpu_current(monkeypatch):
     with kernels._on_device_of(torch.zeros(1)):
         pass
     assert entered == [torch.device("cuda", 1)]
+
+
+def test_gpus_that_cannot_run_it_are_refused_once_with_the_reason(monkeypatch):
+    """Below sm_80 (no mma.sync) and on ROCm the kernel is refused without a self-test,
+    and the answer is kept for the device (the dispatch asks on every call)."""
+    monkeypatch.setattr(mma, "_READY", {})
+    calls = []
+    monkeypatch.setattr(mma, "_self_test", lambda device: calls.append(device))
+    capability = {"value": (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    assert "sm_80" in mma.ready(torch.device("cuda", 0))
+    capability["value"] = (9, 0)
+    assert "sm_80" in mma.ready(torch.device("cuda", 0)) and not calls  # decided once for cuda:0
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert "ROCm" in mma.ready(torch.device("cuda", 1)) and not calls

@@ -817,15 +817,11 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
         return f"the mma path takes bf16 or fp16 activations, got {dtype}"
     if not 0 < m <= 64 or k % 64:
         return f"the mma path takes 1 <= M <= 64 rows and K % 64 == 0, got M={m}, K={k}"
-    if getattr(torch.version, "hip", None):
-        return "the mma path is NVIDIA PTX (mma.sync, cp.async): not on ROCm"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "the mma path needs mma.sync (sm_80 or later)"
     try:
         from . import mma
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
         return f"Triton's Gluon dialect is not usable here ({exc})"
-    return mma.ready(device)  # compiled and self-tested once per device
+    return mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
 
 
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
@@ -851,7 +847,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
 
 def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Optional[str] = None,
             out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
-            four_six: Optional[str] = None):
+            four_six: Optional[str] = None, picked: bool = False):
     """``x2 [M, K] @ dequant(weight).T`` (/ x_enc) + bias -> [M, N] in x2's dtype
     (written into ``out`` when given: tests poison it first). ``amax`` (path
     "gemv6" only): x is raw and quantized inside the GEMV (W4A4, ``four_six``)."""
@@ -863,8 +859,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         raise nvfp4.NVFP4Error(f"Triton NVFP4 GEMM takes bf16/fp16 activations, got {x2.dtype}")
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    auto = path is None
-    if auto:
+    auto = path is None or picked  # picked: the caller's shape rules chose ``path``
+    if path is None:
         path = _auto_path(m, x2.dtype, x_enc is not None, k, x2.device, n)
     if amax is not None and path != "gemv6":
         raise ValueError(f"quantizing activations inside the GEMM is the gemv6 path's, not {path!r}'s")
@@ -902,14 +898,15 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             raise ValueError("the dot_scaled path takes W4A4 activations as codes + scales (linear_w4a4)")
         return dot_scaled.matmul(x2, None, None, weight, bias, x2.dtype, out=y)
     if path == "mma":
-        reason = mma_unavailable_reason(m, k, x2.dtype, x2.device)
-        if reason is not None:
-            raise ValueError(reason)
+        if not auto:  # the shape rules only pick it where it can run
+            reason = mma_unavailable_reason(m, k, x2.dtype, x2.device)
+            if reason is not None:
+                raise ValueError(reason)
         from . import mma
 
         try:
             return mma.matmul(x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else None,
-                              bias.contiguous() if has_bias else None, y)
+                              bias_arg if has_bias else None, y)
         except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
             if not auto:
                 raise
@@ -1005,9 +1002,8 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
     else:
         xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six)
-        # an automatic choice stays automatic (the shape rules give the same path, and a failed
-        # mma launch can fall back)
-        y = _matmul(xs, weight, bias, x_enc, path=None if requested is None else path, out=out)
+        # an automatic choice stays one (a failed mma launch can fall back)
+        y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None)
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -375,15 +375,16 @@ def _self_test(device: torch.device) -> Optional[str]:
     """Small products against the reference decode: a partial row tile with
     split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16."""
     from .. import nvfp4
+    from .gemm import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k, dtype in ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16),
                            (13, 200, 1024, torch.float16)):
         w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
         x = torch.randn(m, k, device=device, generator=g).to(dtype)
-        words = w.packed.view(torch.int32)
+        _, _, words, sbits, enc = _weight_views(w)
         y = torch.full((m, n), float("nan"), device=device, dtype=dtype)
-        matmul(x, words, w.block_scale.view(torch.uint8), w.global_enc.reshape(1).float(), None, None, y)
+        matmul(x, words, sbits, enc, None, None, y)
         ref = x.float() @ w.dequantize(torch.float32).T
         err = float((y.float() - ref).norm() / ref.norm())
         if not err < 1e-2:  # NaN included
@@ -397,11 +398,25 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _device_reason(index: int) -> Optional[str]:
+    """Why this GPU cannot run the kernel at all (None when it can)."""
+    if getattr(torch.version, "hip", None):
+        return "the mma path is NVIDIA PTX (mma.sync, cp.async): not on ROCm"
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return "the mma path needs mma.sync (sm_80 or later)"
+    return None
+
+
 def ready(device: torch.device) -> Optional[str]:
-    """None when the kernel compiled and passed its self-test on ``device`` (run
-    once per device), otherwise why not (and a warning, once)."""
+    """None when ``device`` can run the kernel and it compiled and passed its
+    self-test there (decided once per device), otherwise why not (with a
+    warning, once, when the self-test failed)."""
     index = _index(device)
     if index not in _READY:
+        unsupported = _device_reason(index)
+        if unsupported is not None:
+            _READY[index] = unsupported
+            return unsupported
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # the self-test reads its result on the host, which a CUDA graph capture forbids: this
             # call (and so the captured graph) takes the tiled GEMM; the test runs at the next eager call
