@@ -51,6 +51,14 @@ FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @triton.jit
+def _row_tile(ptr, rows, stride, cols, limit, EVEN_K: tl.constexpr, other):
+    """``ptr[rows, cols]`` of a row-major operand; columns past ``limit`` read ``other``."""
+    if EVEN_K:
+        return tl.load(ptr + rows[:, None] * stride + cols[None, :])
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=(cols < limit)[None, :], other=other)
+
+
+@triton.jit
 def _dot_scaled_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
@@ -80,26 +88,14 @@ def _dot_scaled_kernel(
     for k0 in range(0, K, BLOCK_K):
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes
         s = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # scales
-        if EVEN_K:
-            w = tl.load(w_ptr + n_ld[:, None] * kh + c[None, :])
-            ws = tl.load(ws_ptr + n_ld[:, None] * kb + s[None, :])
-        else:
-            w = tl.load(w_ptr + n_ld[:, None] * kh + c[None, :], mask=(c < kh)[None, :], other=0)
-            ws = tl.load(ws_ptr + n_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0.0)
+        w = _row_tile(w_ptr, n_ld, kh, c, kh, EVEN_K, 0)
+        ws = _row_tile(ws_ptr, n_ld, kb, s, kb, EVEN_K, 0.0)  # fp8 scales take a float fill
         if X_FMT == "e2m1":
-            if EVEN_K:
-                x = tl.load(x_ptr + m_ld[:, None] * stride_xm + c[None, :])
-                xs = tl.load(xs_ptr + m_ld[:, None] * kb + s[None, :])
-            else:
-                x = tl.load(x_ptr + m_ld[:, None] * stride_xm + c[None, :], mask=(c < kh)[None, :], other=0)
-                xs = tl.load(xs_ptr + m_ld[:, None] * kb + s[None, :], mask=(s < kb)[None, :], other=0.0)
+            x = _row_tile(x_ptr, m_ld, stride_xm, c, kh, EVEN_K, 0)
+            xs = _row_tile(xs_ptr, m_ld, kb, s, kb, EVEN_K, 0.0)
             acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
         else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(x_ptr + m_ld[:, None] * stride_xm + kk[None, :])
-            else:
-                x = tl.load(x_ptr + m_ld[:, None] * stride_xm + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            x = _row_tile(x_ptr, m_ld, stride_xm, k0 + tl.arange(0, BLOCK_K), K, EVEN_K, 0.0)
             acc = tl.dot_scaled(x, None, X_FMT, tl.trans(w), ws, "e2m1", acc)
     y = _output_scale(acc, wenc_ptr, xenc_ptr, 1.0, HAS_XENC)  # / (global_w * global_x)
     if HAS_BIAS:
