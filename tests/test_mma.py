@@ -229,10 +229,10 @@ def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
     assert mma.ready(torch.device("cuda", 0)) is None and len(calls) == 1
 
 
-def test_kernel_launches_make_the_tensors_gpu_current(monkeypatch):
-    """Triton launches on the current CUDA device: the dispatch makes the activation's GPU
-    current around every Triton launch (a layer on cuda:1 while cuda:0 is current), and
-    leaves CPU tensors alone."""
+def test_device_guard_makes_the_tensors_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device, so the dispatch wraps its Triton calls in
+    ``_on_device_of(x)``: that makes x's GPU current (a layer on cuda:1 while cuda:0 is
+    current) and leaves CPU tensors alone. (The wrapping itself needs two GPUs to run.)"""
     from fp4ptq import kernels
 
     entered = []
