@@ -1,0 +1,388 @@
+"""NVFP4 W4A16 GEMM for M = 64..1024 rows on Hopper's warpgroup MMA (wgmma),
+with the weight decoded in registers, written in Gluon. sm_90 only; bf16 or
+fp16 activations, K % 64 == 0.
+
+Swap-AB, as in mma.py: ``y^T = W x^T``. The decoded weight tile is wgmma's
+register A operand (64 weight rows a warpgroup), the activations the
+shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
+
+* A register A operand of ``warpgroup_mma`` only compiles with ``k_width = 2``
+  (Triton 3.6): a thread holds the K pairs ``(2c + 8r, 2c + 8r + 1)`` of rows
+  ``g`` and ``g + 8`` (``c = lane % 4``, ``g = lane // 4``, ``r`` the register
+  pair). mma.py's decode turns a word of 8 codes into four pairs, codes
+  ``(p, p + 4)`` in register ``p``; here one word feeds four pairs of one row
+  (``r = r0 + 2 r1`` inside a 32-wide K chunk), so K is relabelled: logical
+  ``32 t + 16 r1 + 8 r0 + 2 c + h`` <- code ``r0 + 2 r1 + 4 h`` of word
+  ``S c + t`` of the step (``S = BK / 32`` words a thread, contiguous in
+  memory). For ``r1 = 1`` the word is shifted right by 8 first, so the same
+  two decode lines (codes (0, 4) and (1, 5)) serve both halves (``_decode_asm``).
+* The activations are put in the same K order once per CTA: their tile is
+  read in a layout where a thread holds the four 8-element chunks that mix,
+  permuted in registers and stored into an NVMMA-swizzled buffer that every
+  warpgroup's wgmma reads. A dot product does not depend on the order of its
+  terms, only on both operands agreeing.
+* Loads go through a cp.async ring (words, scale bytes and, with ``X_RING``,
+  the activations; otherwise the activations are prefetched one step ahead in
+  registers). wgmma runs asynchronously: with ``WAIT = 1`` the next step's
+  decode overlaps the current MMA.
+* Numerics as mma.py: exact products ``x * (v * scale * 2^-26)`` (bf16;
+  ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
+  once per output; split K through gemm.py's fp32 workspace and ordered sum.
+
+The dispatch may use the kernel on a device only after ``ready`` (sm_90 and a
+self-test there) passed. CPU tests: tests/test_wgmma.py; GPU checks and
+timings: benchmarks/wgmma_h200.py (results/wgmma_h200*.json).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, SIGN_MASK, _bits, _copy, _index,
+                  _layouts, _shift, _sync)
+
+
+def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
+    """PTX of one pack of 8 A-operand elements: in the wgmma register order
+    (``h``, row ``+8``, ``r0``) they are $0 = (row g, r0 = 0), $1 = (row g + 8,
+    r0 = 0), $2 = (g, 1), $3 = (g + 8, 1); the word of row g is $4, of row g + 8
+    $6 (inputs $4-$11 are the 8 word copies), their scale pairs $12 and $13.
+    Register (row, r0) gets codes (r0, r0 + 4) of its row's word by mma.py's
+    shifts for p = r0, times the scale pair (an exact product)."""
+    lines = ["{", ".reg .b32 a, b;"]
+    for q in range(4):
+        r0, row8 = divmod(q, 2)
+        mag, sign = shifts[r0]
+        word, scale = f"${4 + 2 * row8}", f"${12 + row8}"
+        lines.append(f"{_shift('a', mag).replace('$4', word)} {_shift('b', sign).replace('$4', word)} "
+                     f"and.b32 a, a, {mag_mask:#010x}; and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; "
+                     f"{mul} ${q}, a, {scale};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_DECODE = gl.constexpr(_decode_asm())
+_DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
+_DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
+
+
+def logical_to_actual(bk: int) -> list:
+    """K relabelling of one step: entry ``kl`` is the memory K offset whose code
+    (and activation) the MMA sees at logical K ``kl`` (see the module docstring)."""
+    s = bk // 32
+    out = []
+    for kl in range(bk):
+        h, c, r0, r1, t = kl & 1, (kl >> 1) & 3, (kl >> 3) & 1, (kl >> 4) & 1, kl >> 5
+        out.append(8 * (s * c + t) + r0 + 2 * r1 + 4 * h)
+    return out
+
+
+def _x_layout(bm: int, bk: int, warps: int) -> gl.DistributedLinearLayout:
+    """Register layout of an activation tile ``[BM, BK]`` (memory K order) in
+    which a thread holds the four 8-element chunks ``S c + t`` (c = 0..3) of
+    one row and one ``t``: exactly the elements that the relabelling mixes, so
+    the permutation into logical K order moves no data between threads."""
+    s = bk // 32
+    regs = [[0, 1], [0, 2], [0, 4], [0, 8 * s], [0, 16 * s]]
+    lanes = [[0, 8 * b] for b in _bits(s)]
+    spread = lanes + [[1 << i, 0] for i in range(bm.bit_length() - 1)]  # t bits, then rows
+    lane_bases = spread[:5]
+    rest = spread[5:]
+    while len(lane_bases) < 5:
+        lane_bases.append([0, 0])
+    nw = warps.bit_length() - 1
+    warp_bases = rest[:nw]
+    while len(warp_bases) < nw:
+        warp_bases.append([0, 0])
+    regs += rest[nw:]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lane_bases, warp_bases=warp_bases,
+                                      block_bases=[], shape=[bm, bk])
+
+
+def _layouts_wg(bn: int, bm: int, bk: int, warps: int):
+    """(words, scale bytes, activations, scale copies, activation copies) layouts."""
+    words, scales, _, s_copy, _ = _layouts(bn, 8, bk, warps)
+    x_copy = gl.BlockedLayout([1, 8], [32 // (bk // 8), bk // 8] if bk <= 256 else [1, 32], [warps, 1], [1, 0])
+    return words, scales, _x_layout(bm, bk, warps), s_copy, x_copy
+
+
+@gluon.jit
+def _spread(v):
+    """``[.., t, c, r1]`` -> ``[.., t, c, r1, r0, h]``: a copy for each of r0 and h."""
+    v = gl.join(v, v)  # [.., S, 4, r0]
+    v = gl.join(v, v)  # [.., S, 4, r0, h]
+    return v
+
+
+@gluon.jit
+def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
+    """One step's words ``[BN, BK/8]`` and scale bytes ``[BN, BK/16]`` -> the
+    decoded, scaled weight ``[BN, BK]`` in the wgmma A layout (logical K)."""
+    S: gl.constexpr = BK // 32
+    T: gl.constexpr = BK // 64
+    # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100 (bf16, exact)
+    s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+    if F16:
+        sc = (s32 * 256.0).to(gl.float16)
+    else:
+        sc = (s32 * 3.2451855365842673e32).to(gl.bfloat16)
+    w = gl.permute(gl.reshape(wp, [BN, 4, S]), [0, 2, 1])  # [BN, t, c]: word S c + t
+    w = gl.join(w, w >> 8)  # [BN, t, c, r1]: r1 = 1 decodes codes 2, 3, 6, 7 with the shifts of 0, 1, 4, 5
+    w = gl.permute(_spread(w), [0, 1, 3, 4, 2, 5])  # [BN, t, r1, r0, c, h]
+    w = gl.convert_layout(gl.reshape(w, [BN, BK]), a_l, assert_trivial=True)
+    sc = gl.reshape(sc, [BN, 4, T])
+    sc = gl.permute(gl.reshape(gl.join(sc, sc), [BN, 4, S]), [0, 2, 1])  # [BN, t, c]: block (S c + t) // 2
+    sc = gl.join(sc, sc)
+    sc = gl.permute(_spread(sc), [0, 1, 3, 4, 2, 5])
+    sc = gl.convert_layout(gl.reshape(sc, [BN, BK]), a_l, assert_trivial=True)
+    if F16:
+        a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
+    else:
+        a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
+    return a
+
+
+@gluon.jit
+def _b_store(xr, b_smem, BM: gl.constexpr, BK: gl.constexpr):
+    """Activations ``[BM, BK]`` (memory K order, ``_x_layout``) -> the B buffer
+    ``[BK, BM]`` in logical K order."""
+    S: gl.constexpr = BK // 32
+    x = gl.reshape(xr, [BM, 4, S, 2, 2, 2])  # K = 8 S c + 8 t + 4 h + 2 r1 + r0
+    x = gl.reshape(gl.permute(x, [0, 2, 4, 5, 1, 3]), [BM, BK])  # [m, t, r1, r0, c, h]
+    b_smem.store(gl.permute(x, [1, 0]))
+
+
+@gluon.jit
+def _wgmma_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, bias_ptr, y_ptr,
+    M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
+    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, X_RING: gl.constexpr,
+    WAIT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
+):
+    KW = KW8 * 8  # words a row (K / 8)
+    KB = KB4 * 4  # scale bytes a row (K / 16)
+    stride_xm = stride_x8 * 8
+    F16: gl.constexpr = x_ptr.dtype.element_ty == gl.float16
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BM, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2,
+                                              transposed=True)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    rw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
+    w_off = gl.where(rw < N, rw, 0).to(gl.int64)[:, None] * KW + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WL))[None, :]
+    rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
+    sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
+    # rows past N read row 0 and activation rows past M read row 0: computed, never stored
+    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+    x_off = gl.where(xm < M, xm, 0).to(gl.int64)[:, None] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
+
+    k_lo = pid_k * K_SPLIT
+    k_last = k_lo + K_SPLIT - BK
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
+    b_buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BK, BM], b_sl)
+    if X_RING:
+        # row-major activation steps, 16-byte chunks XOR-swizzled by row (a warp reads 16 rows at once)
+        x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], x_sl)
+        xc = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XC))
+        xc_off = gl.where(xc < M, xc, 0).to(gl.int64)[:, None] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(0, XC))[None, :]
+    else:
+        xr = gl.load(x_ptr + k_lo + x_off)
+    for i in gl.static_range(STAGES - 1):
+        kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+        _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+        _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+        if X_RING:
+            _copy(x_ring.index(i), x_ptr + kc + xc_off)
+        async_copy.commit_group()
+
+    acc = gl.zeros([BN, BM], gl.float32, layout=acc_l)
+    a_prev = gl.zeros([BN, BK], x_ptr.dtype.element_ty, layout=a_l)
+    for i in range(K_SPLIT // BK):
+        async_copy.wait_group(STAGES - 2)
+        _sync()  # step i is in; every thread is done with step i - 1's slot; wgmma i - 2 is done
+        slot = i % STAGES
+        wp = w_ring.index(slot).load(WL)
+        sb = s_ring.index(slot).load(SL)
+        if X_RING:
+            xr = x_ring.index(slot).load(XL)
+        nxt = (i + STAGES - 1) % STAGES
+        kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a reload
+        _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
+        _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
+        if X_RING:
+            _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
+        async_copy.commit_group()
+        b = b_buf.index(i % 2)
+        _b_store(xr, b, BM, BK)
+        if not X_RING:
+            xr = gl.load(x_ptr + gl.minimum(k_lo + (i + 1) * BK, k_last) + x_off)
+        fence_async_shared()
+        _sync()  # the B buffer is complete before any warpgroup's wgmma reads it
+        a = _a_operand(wp, sb, a_l, BN, BK, F16)
+        tok = warpgroup_mma(a, b, acc, is_async=True)
+        if WAIT == 1:  # wgmma i in flight during step i + 1's loads and decode; a_prev (step i - 1) freed
+            acc, a_prev = warpgroup_mma_wait(1, deps=[tok, a_prev])
+            a_prev = a
+        else:
+            acc = warpgroup_mma_wait(0, deps=[tok])
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+
+    enc = gl.load(wenc_ptr)
+    if F16:
+        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)  # * 2^14 / global_enc, one correctly rounded factor
+    else:
+        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc
+    no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    mo = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    ok = (no < N)[:, None] & (mo < M)[None, :]
+    if SPLIT:  # fp32 partials [splits, M, N], summed in order by gemm._gemv_split_finish
+        gl.store(y_ptr + (pid_k * M + mo[None, :]).to(gl.int64) * N + no[:, None], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
+        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def config(m: int, n: int, k: int, sms: int = 132):
+    """(BN, BM, BK, warps, K per program, stages, x through the ring, wait depth)."""
+    bm = min(256, max(64, triton.next_power_of_2(m)))
+    bn, warps = 128, 8
+    bk = 64
+    return bn, bm, bk, warps, k_split(m, n, k, bn, bm, bk, sms), 3, True, 1
+
+
+def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int = 132) -> int:
+    """K per program: K halved while the grid has fewer programs than SMs,
+    keeping 512 K or more (whole K steps) a program."""
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    split = 1
+    while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
+            and k // (split * 2) >= 512:
+        split *= 2
+    return k // split
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes this shape: K a multiple of 64."""
+    return m > 0 and n > 0 and k % 64 == 0
+
+
+def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
+    """Why ``cfg`` does not tile M rows and K (None when it does)."""
+    bn, bm, bk, warps, ks, stages, _, wait = cfg
+    if bn != 16 * warps or warps % 4 or bm not in (64, 128, 256) or bk not in (64, 128):
+        return "BN must be 16 * warps (whole warpgroups), BM 64/128/256, BK 64/128"
+    if k % ks or ks % bk or stages < 2 or wait not in (0, 1):
+        return f"K per program {ks} must divide K={k} in whole K steps of {bk}; stages >= 2; wait 0 or 1"
+    return None
+
+
+_LAYOUTS: dict = {}
+
+
+def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+           x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+           cfg: Optional[tuple] = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
+    weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
+    global scale), as ``mma.matmul``; ``x_enc`` must be None (W16 activations)."""
+    from .gemm import _gemv_split_finish, _sm_count
+
+    m, k = x2.shape
+    n = words.shape[0]
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the wgmma path takes bf16 or fp16 activations, got {x2.dtype}")
+    if x_enc is not None:
+        raise ValueError("the wgmma path is W4A16 only (x_enc must be None)")
+    if not supports(m, n, k):
+        raise ValueError(f"the wgmma path takes K % 64 == 0, got M={m}, N={n}, K={k}")
+    cfg = cfg or config(m, n, k, _sm_count(x2.device))
+    reason = check_config(m, k, cfg)
+    if reason:
+        raise ValueError(f"wgmma: config {cfg} does not tile M={m}, K={k}: {reason}")
+    bn, bm, bk, warps, ks, stages, x_ring, wait = cfg
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if sbits.data_ptr() % 16:
+        sbits = sbits.clone()
+    key = (bn, bm, bk, warps)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
+    wl, sl, xl, sc, xc = _LAYOUTS[key]
+    splits = k // ks
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    has_bias = bias is not None
+    _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+        x2, words, sbits, enc, bias if has_bias else enc, target,
+        m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks,
+        HAS_BIAS=has_bias, SPLIT=splits > 1, STAGES=int(stages), X_RING=bool(x_ring), WAIT=int(wait),
+        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
+    )
+    if splits > 1:
+        _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
+                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
+    return y
+
+
+_READY: dict = {}
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """Products against the reference decode: partial row and M tiles, split K, fp16."""
+    from .. import nvfp4
+    from .gemm import _weight_views
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for m, n, k, dtype in ((70, 200, 2048, torch.bfloat16), (300, 136, 1152, torch.bfloat16),
+                           (100, 200, 1024, torch.float16)):
+        w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
+        x = torch.randn(m, k, device=device, generator=g).to(dtype)
+        _, _, words, sbits, enc = _weight_views(w)
+        y = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+        matmul(x, words, sbits, enc, None, None, y)
+        ref = x.float() @ w.dequantize(torch.float32).T
+        err = float((y.float() - ref).norm() / ref.norm())
+        if not err < 1e-2:  # NaN included
+            return f"self-test error {err:.2e} at M={m}, N={n}, K={k} ({dtype}) against the reference decode"
+    return None
+
+
+def ready(device: torch.device) -> Optional[str]:
+    """None when ``device`` is an sm_90 GPU on which the kernel compiled and
+    passed its self-test (decided once per device), otherwise why not (with a
+    warning, once, when the self-test failed)."""
+    index = _index(device)
+    if index in _READY:
+        return _READY[index]
+    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
+        _READY[index] = "the wgmma path needs an sm_90 (Hopper) NVIDIA GPU"
+    elif torch.cuda.is_current_stream_capturing():
+        return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
+    else:
+        try:
+            with torch.cuda.device(index):  # Triton launches on the current device
+                _READY[index] = _self_test(torch.device("cuda", index))
+        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon lowers this differently: fall back
+            _READY[index] = f"did not compile or run: {exc!r}"[:300]
+        if _READY[index] is not None:
+            warnings.warn(f"fp4ptq: the wgmma path is not used on cuda:{index}: {_READY[index]}", stacklevel=2)
+    return _READY[index]
+
+
+__all__ = ["check_config", "config", "k_split", "logical_to_actual", "matmul", "ready", "supports"]

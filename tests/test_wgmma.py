@@ -1,0 +1,202 @@
+"""The Gluon wgmma GEMM (fp4ptq/kernels/wgmma.py) on CPU.
+
+Gluon kernels do not run under the Triton interpreter, so here: the K
+relabelling is emulated in torch with the kernel's own reshapes, joins and
+permutations (weights and activations must agree, and the activations must be
+a permutation of each step), the pack-of-8 decode is emulated bit for bit from
+the shift tables that generate its PTX and checked against the reference
+decode, the kernel is compiled for sm_90 (wgmma with a register A operand, no
+local memory), and the guard refuses what it cannot take. Numerics on the GPU:
+benchmarks/wgmma_h200.py (results/wgmma_h200*.json).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+from fp4ptq import nvfp4
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
+from fp4ptq.kernels import mma  # noqa: E402
+
+
+def _u32(v: torch.Tensor) -> torch.Tensor:
+    return v & 0xFFFFFFFF
+
+
+def _decode_reg(word: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mma.py's bf16 decode of register p (codes p, p + 4) as the two halves' values."""
+    mag, sign = mma.DECODE_SHIFTS[p]
+    shl = (lambda v, a: _u32(v << a) if a >= 0 else v >> -a)
+    r = (shl(word, mag) & mma.MAG_MASK) | (shl(word, sign) & mma.SIGN_MASK)
+    halves = []
+    for part in (r & 0xFFFF, r >> 16):
+        bits = torch.where(part >= 32768, part - 65536, part).to(torch.int16)
+        halves.append(bits.view(torch.bfloat16).double() * 2.0**126)
+    return halves[0], halves[1]
+
+
+@pytest.mark.parametrize("bk", [64, 128])
+def test_relabelling_is_a_permutation_of_each_step(bk):
+    perm = wgmma.logical_to_actual(bk)
+    assert sorted(perm) == list(range(bk))
+
+
+@pytest.mark.parametrize("bk", [64, 128])
+def test_activation_permutation_is_the_relabelling(bk):
+    """_b_store's reshape/permute (the same calls, in torch) puts memory K
+    ``logical_to_actual[kl]`` at logical K ``kl``."""
+    s = bk // 32
+    x = torch.arange(3 * bk).reshape(3, bk)
+    xl = x.reshape(3, 4, s, 2, 2, 2).permute(0, 2, 4, 5, 1, 3).reshape(3, bk)
+    assert torch.equal(xl, x[:, wgmma.logical_to_actual(bk)])
+
+
+@pytest.mark.parametrize("bk", [64, 128])
+def test_weight_operand_feeds_each_logical_k_the_right_code(bk):
+    """_a_operand's reshape/join/permute (in torch) with the pack-of-8 decode:
+    logical K ``kl`` of a row gets code ``logical_to_actual[kl]`` of the step
+    times its block scale, for every code and scale."""
+    s, rows = bk // 32, 16
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (rows, bk // 8), generator=gen, dtype=torch.int64)
+    words[0, :2] = torch.tensor([0x76543210, 0xFEDCBA98])
+    sbytes = torch.randint(0, 127, (rows, bk // 16), generator=gen, dtype=torch.int64)
+
+    def spread(v):  # [rows, t, c, r1] -> [rows, t, r1, r0, c, h]
+        v = torch.stack([v, v], -1)
+        v = torch.stack([v, v], -1)
+        return v.permute(0, 1, 3, 4, 2, 5).reshape(rows, bk)
+
+    w = words.reshape(rows, 4, s).permute(0, 2, 1)
+    w = spread(torch.stack([w, w >> 8], -1))  # (the kernel's int32 >> 8 is arithmetic: codes 6, 7 unused)
+    sc = sbytes.reshape(rows, 4, s // 2)
+    sc = torch.stack([sc, sc], -1).reshape(rows, 4, s).permute(0, 2, 1)
+    sc = spread(torch.stack([sc, sc], -1))
+    kl = torch.arange(bk)
+    r0, h = (kl >> 3) & 1, kl & 1
+    got = torch.empty(rows, bk, dtype=torch.float64)
+    for p in (0, 1):
+        lo, hi = _decode_reg(w, p)
+        got = torch.where((r0 == p)[None, :], torch.where((h == 0)[None, :], lo, hi), got)
+    got = got * sc.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(rows, bk)
+    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()
+    ref = ref * sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double().repeat_interleave(16, 1)
+    assert torch.equal(got, ref[:, wgmma.logical_to_actual(bk)])
+
+
+def test_decode_asm_reads_each_rows_word_and_scale():
+    """Pack order (h, row + 8, r0): $0/$2 from row g's word $4 and scale $12,
+    $1/$3 from row g + 8's word $6 and scale $13, shifts of register r0."""
+    for asm, shifts, mul in ((wgmma._DECODE.value, mma.DECODE_SHIFTS, "mul.rn.bf16x2"),
+                             (wgmma._DECODE_F16.value, mma.DECODE_SHIFTS_F16, "mul.rn.f16x2")):
+        lines = [ln for ln in asm.splitlines() if mul in ln]
+        assert len(lines) == 4
+        for q, line in enumerate(lines):
+            r0, row8 = divmod(q, 2)
+            word = f"${4 + 2 * row8}"
+            assert line.endswith(f"{mul} ${q}, a, ${12 + row8};")
+            mag = shifts[r0][0]
+            assert (f"shl.b32 a, {word}, {mag};" if mag > 0 else f"shr.u32 a, {word}, {-mag};") in line
+
+
+def _compile(cfg: dict, dt: str = "bf16"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ce = dict(cfg)
+    ce.update(zip(("WL", "SL", "XL", "SC", "XC"), wgmma._layouts_wg(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
+    types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "bias_ptr": f"*{dt}",
+             "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
+    fn = wgmma._wgmma_kernel
+    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr")}
+    try:
+        return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["WARPS"]})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+
+
+@pytest.mark.parametrize("cfg,dt", [
+    (dict(BN=128, BM=64, BK=64, WARPS=8, STAGES=3, X_RING=True, WAIT=1, SPLIT=True, HAS_BIAS=False), "bf16"),
+    (dict(BN=128, BM=256, BK=64, WARPS=8, STAGES=3, X_RING=False, WAIT=0, SPLIT=False, HAS_BIAS=True), "bf16"),
+    (dict(BN=128, BM=128, BK=128, WARPS=8, STAGES=3, X_RING=True, WAIT=1, SPLIT=False, HAS_BIAS=True), "fp16"),
+])
+def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
+    """The kernel builds for the H200's sm_90: an asynchronous wgmma m64nBMk16 with the
+    decoded weight from registers (every layout conversion of the operand is asserted
+    trivial at compile time), cp.async for the ring, no local memory."""
+    ptx = _compile(cfg, dt).asm["ptx"]
+    ty = "f16" if dt == "fp16" else "bf16"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg['BM']}k16\.f32\.{ty}\.{ty}", ptx)
+    assert "cp.async" in ptx and "wgmma.wait_group" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),
+                                 (8192, 28672), (1000, 1088), (320, 64)])
+@pytest.mark.parametrize("m", [1, 64, 65, 128, 200, 256, 1024, 4096])
+def test_config_tiles_every_supported_shape(m, n, k):
+    cfg = wgmma.config(m, n, k)
+    assert wgmma.check_config(m, k, cfg) is None
+    bn, bm, bk, warps, ks, *_ = cfg
+    assert bm >= min(m, 256) and ks >= min(k, 512)
+
+
+def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
+    monkeypatch.setattr(wgmma, "_READY", {})
+    calls = []
+    monkeypatch.setattr(wgmma, "_self_test", lambda device: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capability = {"value": (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    assert "sm_90" in wgmma.ready(torch.device("cuda", 0))
+    capability["value"] = (9, 0)
+    assert "sm_90" in wgmma.ready(torch.device("cuda", 0)) and not calls  # decided once for cuda:0
+    assert "sm_90" in wgmma.ready(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert "graph capture" in wgmma.ready(torch.device("cuda", 1)) and not calls and 1 not in wgmma._READY
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert wgmma.ready(torch.device("cuda", 1)) is None and len(calls) == 1
+    assert wgmma.ready(torch.device("cuda", 1)) is None and len(calls) == 1
+
+
+def test_a_failed_self_test_warns_and_is_kept(monkeypatch):
+    monkeypatch.setattr(wgmma, "_READY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+
+    def failing(device):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(wgmma, "_self_test", failing)
+    with pytest.warns(UserWarning, match="not used on cuda:0"):
+        assert "PassManager" in wgmma.ready(torch.device("cuda", 0))
+    assert "PassManager" in wgmma.ready(torch.device("cuda", 0))
+
+
+def test_matmul_refuses_what_it_cannot_take_before_launching():
+    w = nvfp4.quantize(torch.randn(64, 128))
+    words, sbits, enc = w.packed.view(torch.int32), w.block_scale.view(torch.uint8), w.global_enc.reshape(1)
+    y = torch.empty(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        wgmma.matmul(torch.randn(4, 128), words, sbits, enc, None, None, y)
+    with pytest.raises(ValueError, match="W4A16"):
+        wgmma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, enc, None, y)
+    with pytest.raises(ValueError, match="does not tile"):
+        wgmma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, None, None, y,
+                     cfg=(128, 64, 64, 8, 96, 3, True, 1))
+    with pytest.raises(ValueError, match="does not tile"):
+        wgmma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, None, None, y,
+                     cfg=(64, 64, 64, 8, 128, 3, True, 1))
+    assert not wgmma.supports(4, 64, 4112) and not wgmma.supports(0, 64, 128) and wgmma.supports(64, 64, 128)
