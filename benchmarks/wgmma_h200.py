@@ -5,7 +5,9 @@ cuBLAS bf16 and the current dispatch (us per call), M = 64..1024.
     PEERS_DIR=.peers python3 benchmarks/wgmma_h200.py   # -> $OUT/wgmma_h200.json
 
 Knobs: ``WG_MS`` (rows, default 64,128,256,1024), ``WG_SWEEP=0`` (default
-config only), ``WG_SHAPES`` (names from bench_kernels_h200.SHAPES), ``WG_JSON``,
+config only), ``WG_CHECKS=0`` (no correctness checks), ``WG_DIAG=1`` (the proxy
+fence's cost and the register cap on two shapes, nothing else), ``WG_NCU=1`` (three
+launches of the default at 8B.gate_up, M = ``WG_NCU_M`` (128), for Nsight Compute), ``WG_SHAPES`` (names from bench_kernels_h200.SHAPES), ``WG_JSON``,
 ``BUDGET_S`` (stop timing after this many seconds).
 
 Checks (all must pass before a timing is trusted): random packed bytes (every
@@ -35,22 +37,23 @@ SHAPE_FILTER = [s for s in os.environ.get("WG_SHAPES", "").split(",") if s]
 
 
 def sweep_configs(m: int, n: int, k: int, default: tuple, sms: int) -> list:
-    """Variants around the default: tile width in M, K step, ring depth, activations
-    through the ring or registers, wgmma wait depth, K split."""
+    """A few variants around the default (run v2's best and the register-capped ones):
+    (BN, BM, BK, ring stages, wgmma wait depth, register cap; 128 fits two CTAs an SM)."""
     from fp4ptq.kernels import wgmma
 
+    if m <= 64:
+        plan = [(128, 64, 128, 3, 0, 128), (128, 64, 64, 3, 1, 128), (64, 64, 128, 3, 0, 0)]
+    elif m <= 128:
+        plan = [(128, 64, 128, 3, 0, 0), (128, 128, 128, 3, 0, 0), (128, 128, 128, 2, 1, 0),
+                (128, 128, 64, 3, 0, 128)]
+    else:
+        plan = [(128, 128, 128, 2, 1, 0), (128, 128, 128, 3, 0, 0), (128, 128, 64, 3, 0, 128),
+                (128, 256, 64, 2, 1, 0)]
     out = []
-    bms = sorted({min(256, max(64, b)) for b in (m, m // 2, 128, 256) if b >= 64}) if m > 64 else [64]
-    for bm in bms:
-        for bk, stages, x_ring, wait in ((64, 3, True, 1), (64, 4, True, 1), (64, 3, False, 1), (64, 3, True, 0),
-                                         (128, 3, True, 1), (128, 3, False, 1)):
-            if bk == 128 and bm == 256:
-                continue  # shared memory
-            ks = wgmma.k_split(m, n, k, 128, bm, bk, sms)
-            for split in (ks, min(k, ks * 2)):
-                cfg = (128, bm, bk, 8, split, stages, x_ring, wait)
-                if cfg != default and cfg not in out and k % split == 0 and split % bk == 0:
-                    out.append(cfg)
+    for bn, bm, bk, stages, wait, maxnreg in plan:
+        cfg = (bn, bm, bk, bn // 16, wgmma.k_split(m, n, k, bn, bm, bk, sms), stages, wait, maxnreg)
+        if cfg != default and cfg not in out and wgmma.check_config(m, k, cfg) is None:
+            out.append(cfg)
     return out
 
 
@@ -81,6 +84,18 @@ def main() -> int:
         y = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=x.dtype)
         return wgmma.matmul(x, words, sbits, enc, None, bias, y, cfg=cfg)
 
+    if os.environ.get("WG_NCU") == "1":  # one kernel for Nsight Compute: 8B.gate_up, M = 128, the default
+        n, k = SHAPES["8B.gate_up"]
+        wq = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+        x = torch.randn(int(os.environ.get("WG_NCU_M", 128)), k, device="cuda", generator=gen).bfloat16()
+        for _ in range(3):
+            run_wg(x, wq)
+        torch.cuda.synchronize()
+        return 0
+    if os.environ.get("WG_DIAG") == "1":
+        diag(out, save, peers, nvfp4, gm, wgmma, run_wg, rel, gen, sms)
+        return 0
+
     # 0. the guard: sm_90 + the kernel's self-test on this GPU
     t_ready = time.time()
     try:
@@ -90,11 +105,13 @@ def main() -> int:
     out["wgmma_ready_s"] = time.time() - t_ready
     print("wgmma ready:", out["wgmma_ready"], "%.1fs" % out["wgmma_ready_s"], flush=True)
 
-    # 1. every code, every kind of scale, ragged tiles
+    # 1. every code, every kind of scale, ragged tiles (WG_CHECKS=0: skipped, for a run split into
+    # one process a shape: a kernel fault ends its process only)
     first = True
-    for (m, n, k, dtype) in [(64, 1000, 1088, torch.bfloat16), (300, 1000, 3072, torch.bfloat16),
-                             (128, 4096, 4096, torch.bfloat16), (1024, 512, 8192, torch.bfloat16),
-                             (77, 2048, 1152, torch.float16), (256, 384, 2048, torch.float16)]:
+    checks = [] if os.environ.get("WG_CHECKS", "1") == "0" else [
+        (64, 1000, 1152, torch.bfloat16), (300, 1000, 3072, torch.bfloat16), (128, 4096, 4096, torch.bfloat16),
+        (1024, 512, 8192, torch.bfloat16), (77, 2048, 1152, torch.float16), (256, 384, 2048, torch.float16)]
+    for (m, n, k, dtype) in checks:
         packed = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
         sb = torch.randint(0, 127, (n, k // 16), device="cuda", dtype=torch.uint8, generator=gen)  # no NaN (0x7f)
         wq = nvfp4.NVFP4Tensor(packed, sb.view(torch.float8_e4m3fn), torch.tensor(3.7, device="cuda"),
@@ -120,7 +137,7 @@ def main() -> int:
             diagnose(out, nvfp4, gm, wgmma)
         first = False
     save()
-    if not any(isinstance(r["err"], float) and r["err"] < 1e-2 for r in out["checks"]):
+    if checks and not any(isinstance(r["err"], float) and r["err"] < 1e-2 for r in out["checks"]):
         print("no check passed: no timings", flush=True)
         return 1
 
@@ -176,10 +193,39 @@ def main() -> int:
     return 0
 
 
+def diag(out, save, peers, nvfp4, gm, wgmma, run_wg, rel, gen, sms):
+    """What the proxy fence costs (``wgmma._FENCE = False``: timing only, the result is
+    not guaranteed without it) and the register cap, on two shapes at M = 64, 128, 1024."""
+    out["diag"] = []
+    for name in ("8B.gate_up", "70B.down"):
+        n, k = SHAPES[name]
+        wq = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+        deq = wq.dequantize(torch.float32)
+        for m in (64, 128, 1024):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            ref = x.float() @ deq.t()
+            cfgs = [wgmma.config(m, n, k, sms)]
+            bm = 64 if m <= 64 else 128
+            cfgs.append((128, bm, 64, 8, wgmma.k_split(m, n, k, 128, bm, 64, sms), 3, 1, 128))
+            for cfg in cfgs:
+                for fence in (True, False):
+                    wgmma._FENCE = fence
+                    try:
+                        row = {"shape": name, "m": m, "cfg": list(cfg), "fence": fence,
+                               "err": rel(run_wg(x, wq, cfg=cfg), ref),
+                               "us": 1000 * peers.bench(lambda: run_wg(x, wq, cfg=cfg))}
+                    except Exception as exc:  # noqa: BLE001
+                        row = {"shape": name, "m": m, "cfg": list(cfg), "fence": fence, "error": repr(exc)[:300]}
+                    wgmma._FENCE = True
+                    out["diag"].append(row)
+                    print(row, flush=True)
+                    save()
+
+
 def diagnose(out, nvfp4, gm, wgmma):
-    """Identity activations (M = K = 64): row m of the output is column pi(m) of
+    """Identity activations (M = K = 128): row m of the output is column pi(m) of
     the weight; record pi (the identity when the relabelling is right)."""
-    n, k = 128, 64
+    n, k = 128, 128
     codes = torch.randint(1, 8, (n, k), device="cuda", dtype=torch.uint8)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     sb = torch.full((n, k // 16), 0x38, device="cuda", dtype=torch.uint8)  # scale 1.0
@@ -190,7 +236,7 @@ def diagnose(out, nvfp4, gm, wgmma):
     _, _, words, sbits, enc = gm._weight_views(wq)
     y = torch.zeros(k, n, device="cuda", dtype=torch.bfloat16)
     try:
-        wgmma.matmul(x, words, sbits, enc, None, None, y, cfg=(128, 64, 64, 8, 64, 3, True, 0))
+        wgmma.matmul(x, words, sbits, enc, None, None, y, cfg=(128, 64, 64, 8, 128, 3, 0, 0))
         d = (y.float()[:, None, :] - deq.t()[None, :, :]).abs().sum(-1)  # [m, k']
         out["diagnose_pi"] = d.argmin(1).tolist()
         out["diagnose_min"] = d.min(1).values.tolist()

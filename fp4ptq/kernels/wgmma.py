@@ -1,6 +1,6 @@
 """NVFP4 W4A16 GEMM for M = 64..1024 rows on Hopper's warpgroup MMA (wgmma),
 with the weight decoded in registers, written in Gluon. sm_90 only; bf16 or
-fp16 activations, K % 64 == 0.
+fp16 activations, K % 128 == 0.
 
 Swap-AB, as in mma.py: ``y^T = W x^T``. The decoded weight tile is wgmma's
 register A operand (64 weight rows a warpgroup), the activations the
@@ -21,10 +21,14 @@ shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
   permuted in registers and stored into an NVMMA-swizzled buffer that every
   warpgroup's wgmma reads. A dot product does not depend on the order of its
   terms, only on both operands agreeing.
-* Loads go through a cp.async ring (words, scale bytes and, with ``X_RING``,
-  the activations; otherwise the activations are prefetched one step ahead in
-  registers). wgmma runs asynchronously: with ``WAIT = 1`` the next step's
-  decode overlaps the current MMA.
+* Words and scale bytes go through a cp.async ring; the activations are
+  prefetched in registers (v1 also had them in the ring: no faster, and
+  Triton 3.6's ptxas crashes on that variant of v2).
+  wgmma runs asynchronously: while step i's MMA runs, the CTA stores step
+  i + 1's activations into the next of three B buffers and, after the step's
+  one barrier, decodes step i + 1. Steps go in pairs with their A operands in
+  two variables, so no register of an in-flight wgmma is written (v1 kept
+  one loop-carried A and raced).
 * Numerics as mma.py: exact products ``x * (v * scale * 2^-26)`` (bf16;
   ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
   once per output; split K through gemm.py's fp32 workspace and ordered sum.
@@ -108,10 +112,9 @@ def _x_layout(bm: int, bk: int, warps: int) -> gl.DistributedLinearLayout:
 
 
 def _layouts_wg(bn: int, bm: int, bk: int, warps: int):
-    """(words, scale bytes, activations, scale copies, activation copies) layouts."""
+    """(words, scale bytes, activations, scale copies) layouts."""
     words, scales, _, s_copy, _ = _layouts(bn, 8, bk, warps)
-    x_copy = gl.BlockedLayout([1, 8], [32 // (bk // 8), bk // 8] if bk <= 256 else [1, 32], [warps, 1], [1, 0])
-    return words, scales, _x_layout(bm, bk, warps), s_copy, x_copy
+    return words, scales, _x_layout(bm, bk, warps), s_copy
 
 
 @gluon.jit
@@ -161,12 +164,50 @@ def _b_store(xr, b_smem, BM: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
+def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off, sc_off, x_off,
+          k_lo, k_last, a_l: gl.constexpr, F16: gl.constexpr, STAGES: gl.constexpr,
+          BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+          XL: gl.constexpr, WAIT: gl.constexpr, FENCE: gl.constexpr):
+    """K step ``i``: decode its weight, issue its wgmma (B buffer ``i % 3``, stored
+    during step ``i - 1``), store step ``i + 1``'s activations into buffer
+    ``(i + 1) % 3`` while the wgmma runs, then wait until only this step's
+    wgmma is in flight (``a_prev``, the previous step's A, stays live until
+    then). One barrier a step: it publishes ring step ``i`` and buffer
+    ``i % 3``; buffer ``(i + 1) % 3`` was last
+    read by wgmma ``i - 2``, which every warpgroup finished before it."""
+    async_copy.wait_group(STAGES - 2)
+    _sync()
+    slot = i % STAGES
+    wp = w_ring.index(slot).load(WL)
+    sb = s_ring.index(slot).load(SL)
+    a = _a_operand(wp, sb, a_l, BN, BK, F16)
+    tok = warpgroup_mma(a, b_buf.index(i % 3), acc, is_async=True)
+    _b_store(xr, b_buf.index((i + 1) % 3), BM, BK)
+    # the proxy fence compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S: the MEMBAR may wait for this
+    # thread's outstanding memory operations, so the next loads are issued after it (v2 issued them
+    # before). FENCE = False only measures what the fence costs (the result is then not guaranteed)
+    if FENCE:
+        fence_async_shared()
+    nxt = (i + STAGES - 1) % STAGES
+    kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a reload
+    _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
+    _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
+    async_copy.commit_group()
+    xr = gl.load(x_ptr + gl.multiple_of(gl.minimum(k_lo + (i + 2) * BK, k_last), BK) + x_off)  # past the end: a reload
+    if WAIT == 1:
+        acc, a_prev = warpgroup_mma_wait(1, deps=[tok, a_prev])
+    else:  # the MMA overlaps the activation store and loads only
+        acc = warpgroup_mma_wait(0, deps=[tok, a])[0]
+    return acc, a, xr
+
+
+@gluon.jit
 def _wgmma_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, bias_ptr, y_ptr,
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
-    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, X_RING: gl.constexpr,
-    WAIT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
-    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
+    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr,
+    FENCE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr,
 ):
     KW = KW8 * 8  # words a row (K / 8)
     KB = KB4 * 4  # scale bytes a row (K / 16)
@@ -193,53 +234,29 @@ def _wgmma_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
     s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
-    b_buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BK, BM], b_sl)
-    if X_RING:
-        # row-major activation steps, 16-byte chunks XOR-swizzled by row (a warp reads 16 rows at once)
-        x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], x_sl)
-        xc = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XC))
-        xc_off = gl.where(xc < M, xc, 0).to(gl.int64)[:, None] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(0, XC))[None, :]
-    else:
-        xr = gl.load(x_ptr + k_lo + x_off)
+    b_buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [3, BK, BM], b_sl)
     for i in gl.static_range(STAGES - 1):
         kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
         _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
         _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
-        if X_RING:
-            _copy(x_ring.index(i), x_ptr + kc + xc_off)
         async_copy.commit_group()
+    # step 0's activations into B buffer 0 (the first step's barrier publishes them); step 1's in registers
+    _b_store(gl.load(x_ptr + gl.multiple_of(k_lo, BK) + x_off), b_buf.index(0), BM, BK)
+    xr = gl.load(x_ptr + gl.multiple_of(gl.minimum(k_lo + BK, k_last), BK) + x_off)
+    fence_async_shared()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=acc_l)
-    a_prev = gl.zeros([BN, BK], x_ptr.dtype.element_ty, layout=a_l)
-    for i in range(K_SPLIT // BK):
-        async_copy.wait_group(STAGES - 2)
-        _sync()  # step i is in; every thread is done with step i - 1's slot; wgmma i - 2 is done
-        slot = i % STAGES
-        wp = w_ring.index(slot).load(WL)
-        sb = s_ring.index(slot).load(SL)
-        if X_RING:
-            xr = x_ring.index(slot).load(XL)
-        nxt = (i + STAGES - 1) % STAGES
-        kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a reload
-        _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
-        _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
-        if X_RING:
-            _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
-        async_copy.commit_group()
-        b = b_buf.index(i % 2)
-        _b_store(xr, b, BM, BK)
-        if not X_RING:
-            xr = gl.load(x_ptr + gl.minimum(k_lo + (i + 1) * BK, k_last) + x_off)
-        fence_async_shared()
-        _sync()  # the B buffer is complete before any warpgroup's wgmma reads it
-        a = _a_operand(wp, sb, a_l, BN, BK, F16)
-        tok = warpgroup_mma(a, b, acc, is_async=True)
-        if WAIT == 1:  # wgmma i in flight during step i + 1's loads and decode; a_prev (step i - 1) freed
-            acc, a_prev = warpgroup_mma_wait(1, deps=[tok, a_prev])
-            a_prev = a
-        else:
-            acc = warpgroup_mma_wait(0, deps=[tok])
+    a1 = gl.zeros([BN, BK], x_ptr.dtype.element_ty, layout=a_l)
+    # two steps an iteration, with their A operands in two variables: a step's registers are written
+    # again only after the wgmma that read them completed (a loop-carried copy could be overwritten
+    # while the wgmma is in flight: v1's race)
+    for j in range(K_SPLIT // (2 * BK)):
+        acc, a0, xr = _step(2 * j, acc, a1, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
+                            sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
+                            WL, SL, XL, WAIT, FENCE)
+        acc, a1, xr = _step(2 * j + 1, acc, a0, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
+                            sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
+                            WL, SL, XL, WAIT, FENCE)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -260,46 +277,52 @@ def _wgmma_kernel(
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
-    """(BN, BM, BK, warps, K per program, stages, x through the ring, wait depth)."""
-    bm = min(256, max(64, triton.next_power_of_2(m)))
-    bn, warps = 128, 8
-    bk = 64
-    return bn, bm, bk, warps, k_split(m, n, k, bn, bm, bk, sms), 3, True, 1
+    """(BN, BM, BK, warps, K per program, ring stages, wgmma wait depth, register cap).
+    Wait depth 1 leaves a step's MMA in flight during the next step's decode; a
+    register cap of 128 (0: the compiler's choice) fits two CTAs of 8 warps an SM."""
+    bk = 128 if k % 256 == 0 else 64
+    if m <= 128:  # run v2: 64-row tiles and no wait depth were best up to M = 128 on most layers
+        return 128, 64, bk, 8, k_split(m, n, k, 128, 64, bk, sms), 3, 0, 0
+    return 128, 128, bk, 8, k_split(m, n, k, 128, 128, bk, sms), 2, 1, 0
 
 
 def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int = 132) -> int:
     """K per program: K halved while the grid has fewer programs than SMs,
-    keeping 512 K or more (whole K steps) a program."""
+    keeping 512 K or more (an even number of K steps) a program."""
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 1
-    while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
+    while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % (2 * bk) == 0 \
             and k // (split * 2) >= 512:
         split *= 2
     return k // split
 
 
 def supports(m: int, n: int, k: int) -> bool:
-    """Whether the kernel takes this shape: K a multiple of 64."""
-    return m > 0 and n > 0 and k % 64 == 0
+    """Whether the kernel takes this shape: K a multiple of 128 (K steps go in pairs)."""
+    return m > 0 and n > 0 and k % 128 == 0
 
 
 def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
     """Why ``cfg`` does not tile M rows and K (None when it does)."""
-    bn, bm, bk, warps, ks, stages, _, wait = cfg
-    if bn != 16 * warps or warps % 4 or bm not in (64, 128, 256) or bk not in (64, 128):
-        return "BN must be 16 * warps (whole warpgroups), BM 64/128/256, BK 64/128"
-    if k % ks or ks % bk or stages < 2 or wait not in (0, 1):
-        return f"K per program {ks} must divide K={k} in whole K steps of {bk}; stages >= 2; wait 0 or 1"
+    bn, bm, bk, warps, ks, stages, wait, maxnreg = cfg
+    if wait not in (0, 1) or maxnreg not in (0, 128, 168, 255):
+        return "wait depth 0 or 1, register cap 0 (none), 128, 168 or 255"
+    if bn != 16 * warps or warps not in (4, 8, 16) or bm not in (64, 128, 256) or bk not in (64, 128):
+        return "BN must be 16 * warps (4, 8 or 16: whole warpgroups), BM 64/128/256, BK 64/128"
+    if k % ks or ks % (2 * bk) or stages not in (2, 3):
+        # (4 stages returned NaN or faulted on the H200 in run v2, not understood: refused)
+        return f"K per program {ks} must divide K={k} in an even number of K steps of {bk}; stages 2 or 3"
     return None
 
 
 _LAYOUTS: dict = {}
+_FENCE = True  # benchmarks/wgmma_h200.py (WG_DIAG=1) turns it off to time the proxy fence; never in use
 
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
            cfg: Optional[tuple] = None) -> torch.Tensor:
-    """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
+    """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 128 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc`` must be None (W16 activations)."""
     from .gemm import _gemv_split_finish, _sm_count
@@ -311,12 +334,12 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if x_enc is not None:
         raise ValueError("the wgmma path is W4A16 only (x_enc must be None)")
     if not supports(m, n, k):
-        raise ValueError(f"the wgmma path takes K % 64 == 0, got M={m}, N={n}, K={k}")
+        raise ValueError(f"the wgmma path takes K % 128 == 0, got M={m}, N={n}, K={k}")
     cfg = cfg or config(m, n, k, _sm_count(x2.device))
     reason = check_config(m, k, cfg)
     if reason:
         raise ValueError(f"wgmma: config {cfg} does not tile M={m}, K={k}: {reason}")
-    bn, bm, bk, warps, ks, stages, x_ring, wait = cfg
+    bn, bm, bk, warps, ks, stages, wait, maxnreg = cfg
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if sbits.data_ptr() % 16:
@@ -324,15 +347,16 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
-    wl, sl, xl, sc, xc = _LAYOUTS[key]
+    wl, sl, xl, sc = _LAYOUTS[key]
     splits = k // ks
     target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
     has_bias = bias is not None
     _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x2, words, sbits, enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks,
-        HAS_BIAS=has_bias, SPLIT=splits > 1, STAGES=int(stages), X_RING=bool(x_ring), WAIT=int(wait),
-        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
+        HAS_BIAS=has_bias, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait), FENCE=_FENCE,
+        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     if splits > 1:
         _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
