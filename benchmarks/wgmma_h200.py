@@ -7,8 +7,10 @@ cuBLAS bf16 and the current dispatch (us per call), M = 64..1024.
 Knobs: ``WG_MS`` (rows, default 64,128,256,1024), ``WG_SWEEP=0`` (default
 config only), ``WG_CHECKS=0`` (no correctness checks), ``WG_DIAG=1`` (the proxy
 fence's cost and the register cap on two shapes, nothing else), ``WG_NCU=1`` (three
-launches of the default at 8B.gate_up, M = ``WG_NCU_M`` (128), for Nsight Compute), ``WG_SHAPES`` (names from bench_kernels_h200.SHAPES), ``WG_JSON``,
-``BUDGET_S`` (stop timing after this many seconds).
+launches of the default at 8B.gate_up, M = ``WG_NCU_M`` (128), for Nsight Compute),
+``WG_SHAPES`` (names from bench_kernels_h200.SHAPES), ``WG_JSON``, ``BUDGET_S`` (stop
+timing after this many seconds). Runs so far: results/wgmma_h200_v1..v3.json and
+results/wgmma_h200_diag.json (benchmarks/NOTES.md, "Kernels, sixth pass").
 
 Checks (all must pass before a timing is trusted): random packed bytes (every
 code) with random E4M3 scale bytes (subnormal, zero and the largest included)

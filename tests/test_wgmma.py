@@ -211,3 +211,26 @@ def test_matmul_refuses_what_it_cannot_take_before_launching():
         wgmma.matmul(torch.randn(4, 192).bfloat16(), words, sbits, enc, None, None, y)
     assert not wgmma.supports(4, 64, 4112) and not wgmma.supports(4, 64, 192) and not wgmma.supports(0, 64, 128)
     assert wgmma.supports(64, 64, 128)
+
+
+def test_preferred_rows_are_the_measured_window():
+    """The dispatch rule: 64 < M <= 128 (ahead of dequantize + cuBLAS there on the H200;
+    mma.py below, dequantize + cuBLAS above), K % 128 == 0."""
+    assert not wgmma.preferred(64, 4096, 4096) and wgmma.preferred(65, 4096, 4096)
+    assert wgmma.preferred(128, 57344, 8192) and not wgmma.preferred(129, 4096, 4096)
+    assert not wgmma.preferred(100, 4096, 4160)  # K % 128 != 0
+
+
+def test_product_check_compares_with_the_reference_decode():
+    """The self-test's helper on CPU, with a stand-in for the kernel: the reference
+    product passes, a wrong one is reported with its shape."""
+    def reference(x, words, sbits, enc, x_enc, bias, y):
+        n, k = words.shape[0], x.shape[1]
+        w = nvfp4.NVFP4Tensor(words.view(torch.uint8), sbits.view(torch.float8_e4m3fn), enc.reshape(()),
+                              torch.Size((n, k)), torch.bfloat16, None)
+        return y.copy_(x.float() @ w.dequantize(torch.float32).T)
+
+    cases = ((5, 24, 64, torch.bfloat16), (3, 16, 128, torch.float16))
+    assert wgmma.product_check(reference, cases, torch.device("cpu")) is None
+    msg = wgmma.product_check(lambda *a: a[-1].zero_(), cases, torch.device("cpu"))
+    assert msg.startswith("self-test error 1.00e+00 at M=5, N=24, K=64")

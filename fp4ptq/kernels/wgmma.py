@@ -33,8 +33,11 @@ shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
   ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
   once per output; split K through gemm.py's fp32 workspace and ordered sum.
 
-The dispatch may use the kernel on a device only after ``ready`` (sm_90 and a
-self-test there) passed. CPU tests: tests/test_wgmma.py; GPU checks and
+Measured on the H200 (benchmarks/NOTES.md, "Kernels, sixth pass"): correct
+(1.66e-3 relative error, as the tiled GEMM), 1.05-1.37x the dequantize + cuBLAS
+path at M = 128, level with mma.py at M = 64, far behind cuBLAS at M >= 256:
+``preferred`` is the shape rule that follows. The dispatch may use the kernel on
+a device only after ``ready`` (sm_90 and a self-test there) passed. CPU tests: tests/test_wgmma.py; GPU checks and
 timings: benchmarks/wgmma_h200.py (results/wgmma_h200*.json).
 """
 from __future__ import annotations
@@ -302,6 +305,19 @@ def supports(m: int, n: int, k: int) -> bool:
     return m > 0 and n > 0 and k % 128 == 0
 
 
+# Rows for which the H200 runs (results/wgmma_h200_v3.json, six Llama-3.1 8B/70B layers) had this kernel
+# ahead of the dispatch's other paths: at M = 128 1.05-1.37x dequantize + cuBLAS on all six; at M = 64
+# level with mma.py (0.97-1.04x: mma.py stays); at M = 256 and 1024 0.3-0.45x cuBLAS, behind dequantize +
+# cuBLAS everywhere. M in 65..127 was not timed: it runs the same two 64-row tiles as M = 128.
+MIN_M, MAX_M = 65, 128
+
+
+def preferred(m: int, n: int, k: int) -> bool:
+    """The shape rule for the dispatch: 64 < M <= 128 and K % 128 == 0 (bf16 or
+    fp16 activations, W4A16, after ``ready(device)`` answered None)."""
+    return MIN_M <= m <= MAX_M and supports(m, n, k)
+
+
 def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
     """Why ``cfg`` does not tile M rows and K (None when it does)."""
     bn, bm, bk, warps, ks, stages, wait, maxnreg = cfg
@@ -367,24 +383,29 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 _READY: dict = {}
 
 
-def _self_test(device: torch.device) -> Optional[str]:
-    """Products against the reference decode: partial row and M tiles, split K, fp16."""
+def product_check(fn, cases, device: torch.device) -> Optional[str]:
+    """Run ``fn(x, words, sbits, enc, None, None, y)`` (a ``matmul`` of this module's or
+    mma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
+    the reference decode: None, or the first relative error over 1e-2 (NaN included)."""
     from .. import nvfp4
     from .gemm import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k, dtype in ((70, 200, 2048, torch.bfloat16), (300, 136, 1152, torch.bfloat16),
-                           (100, 200, 1024, torch.float16)):
+    for m, n, k, dtype in cases:
         w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
         x = torch.randn(m, k, device=device, generator=g).to(dtype)
-        _, _, words, sbits, enc = _weight_views(w)
-        y = torch.full((m, n), float("nan"), device=device, dtype=dtype)
-        matmul(x, words, sbits, enc, None, None, y)
+        y = fn(x, *_weight_views(w)[2:], None, None, torch.full((m, n), float("nan"), device=device, dtype=dtype))
         ref = x.float() @ w.dequantize(torch.float32).T
         err = float((y.float() - ref).norm() / ref.norm())
-        if not err < 1e-2:  # NaN included
+        if not err < 1e-2:
             return f"self-test error {err:.2e} at M={m}, N={n}, K={k} ({dtype}) against the reference decode"
     return None
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """Partial row and M tiles, split K, both K steps, fp16."""
+    return product_check(matmul, ((70, 200, 2048, torch.bfloat16), (300, 136, 1152, torch.bfloat16),
+                                  (100, 200, 1024, torch.float16)), device)
 
 
 def ready(device: torch.device) -> Optional[str]:
@@ -409,4 +430,5 @@ def ready(device: torch.device) -> Optional[str]:
     return _READY[index]
 
 
-__all__ = ["check_config", "config", "k_split", "logical_to_actual", "matmul", "ready", "supports"]
+__all__ = ["MAX_M", "MIN_M", "check_config", "config", "k_split", "logical_to_actual", "matmul", "preferred",
+           "product_check", "ready", "supports"]
