@@ -25,10 +25,12 @@ shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
   prefetched in registers (v1 also had them in the ring: no faster, and
   Triton 3.6's ptxas crashes on that variant of v2).
   wgmma runs asynchronously: while step i's MMA runs, the CTA stores step
-  i + 1's activations into the next of three B buffers and, after the step's
-  one barrier, decodes step i + 1. Steps go in pairs with their A operands in
-  two variables, so no register of an in-flight wgmma is written (v1 kept
-  one loop-carried A and raced).
+  i + 1's activations into the next of three B buffers and, with wait depth 1,
+  also decodes step i + 1 after the step's one barrier (the H200 found depth 0
+  as fast or faster up to M = 128: the default there). Steps go in pairs with
+  their A operands in two variables, so no register of an in-flight wgmma is
+  written (v1 kept one loop-carried A and gave wrong results at depth 1,
+  probably for that reason).
 * Numerics as mma.py: exact products ``x * (v * scale * 2^-26)`` (bf16;
   ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
   once per output; split K through gemm.py's fp32 workspace and ordered sum.
@@ -37,8 +39,9 @@ Measured on the H200 (benchmarks/NOTES.md, "Kernels, sixth pass"): correct
 (1.66e-3 relative error, as the tiled GEMM), 1.05-1.37x the dequantize + cuBLAS
 path at M = 128, level with mma.py at M = 64, far behind cuBLAS at M >= 256:
 ``preferred`` is the shape rule that follows. The dispatch may use the kernel on
-a device only after ``ready`` (sm_90 and a self-test there) passed. CPU tests: tests/test_wgmma.py; GPU checks and
-timings: benchmarks/wgmma_h200.py (results/wgmma_h200*.json).
+a device only after ``ready`` (sm_90 and a self-test there) passed. CPU tests:
+tests/test_wgmma.py; GPU checks and timings: benchmarks/wgmma_h200.py
+(results/wgmma_h200*.json).
 """
 from __future__ import annotations
 
