@@ -122,6 +122,51 @@ def test_quantize_scaled_is_code_times_scale(tk):
         assert torch.equal(scaled.float(), expect)
 
 
+@pytest.fixture
+def quant16(tk, monkeypatch):
+    """The 16-bit quantize kernel on every size, with small tiles and 3 persistent programs, so
+    that a program loops over many tiles (partial ones in M and K among them)."""
+    qk, _ = tk
+    monkeypatch.setattr(qk, "QUANT16_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(qk, "_tile16", lambda m, k: (8, 4, 4))
+    monkeypatch.setattr(qk, "_programs", lambda device, n_tiles: min(n_tiles, 3))
+    return qk
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("four_six,amax", [(None, None), (None, 1e4), ("mse", 0.05), ("mae", None), ("max", 1e4)])
+def test_quantize16_kernel_bit_identical(quant16, dtype, four_six, amax):
+    """Codes, scales, the global scale and the 4/6 choice equal the reference (a flipped 4/6
+    choice only at a near-tie, as for the fp32 kernel); the scaled output is code x scale."""
+    qk = quant16
+    x = _activations(37, 96, dtype, seed=7)
+    q, r = qk.quantize(x, four_six, amax=amax), nvfp4.quantize(x, four_six, amax=amax)
+    assert torch.equal(q.global_enc, r.global_enc)
+    same = torch.ones(37, 6, dtype=torch.bool) if four_six is None else q.chose_four == r.chose_four
+    assert same.float().mean() > 0.99
+    assert torch.equal(q.block_scale.view(torch.uint8)[same], r.block_scale.view(torch.uint8)[same])
+    rows_same = same.all(-1)
+    assert torch.equal(q.packed[rows_same], r.packed[rows_same])
+    a = torch.tensor(2.0 if amax is None else amax)
+    scaled, enc = qk.quantize_scaled(x, a, four_six)
+    rs = nvfp4.quantize(x, four_six, amax=a)
+    expect = nvfp4.e2m1_decode(rs.codes()) * rs.block_scale.float().repeat_interleave(16, -1)
+    ok = (scaled.float() == expect).reshape(37, 6, 16).all(-1)
+    assert ok.float().mean() > 0.99 and (four_six is not None or ok.all())
+
+
+@interpreted
+def test_quantize16_kernel_reads_strided_rows(quant16):
+    """A row stride other than K (even: the int32 view strides by it; odd: copied first)."""
+    qk = quant16
+    for width in (128, 113):
+        big = _activations(9, width, torch.bfloat16, seed=width)
+        x = big[:, 16:112]
+        q, r = qk.quantize(x, None), nvfp4.quantize(x.contiguous(), None)
+        _same_quantized(q, r)
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_kernel_decodes_all_codes_exactly(tk, dtype):

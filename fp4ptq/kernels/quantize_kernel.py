@@ -27,6 +27,17 @@ per-element division, and no double rounding. Scales use the reference's order o
 (``bmax / 6 * global_enc``, ``bmax / 4 * global_enc``, clamp 448, e4m3 RNE) with
 correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
+Two kernels
+-----------
+bf16 / fp16 inputs of 4M elements and more go to ``_quantize16_kernel``: two
+elements a 32-bit register, the seven thresholds of each block's scale code
+gathered from a small table (rounded up to the 16-bit format, which is exact
+for 16-bit inputs), compared and counted two at a time by packed
+instructions (inline PTX on the GPU; the same arithmetic in Triton under the
+interpreter). Everything else (fp32 inputs, small inputs, a scaled output in
+another dtype) goes to ``_quantize_kernel``, which computes the thresholds per
+block as described above. Both give the reference's codes and scales.
+
 Four Over Six sums the block errors in Triton's reduction order, which can
 differ from ``torch.sum``'s by an ulp; a block whose two errors are that
 close (a near-tie) can then pick the other scale. The kernels are launched
@@ -34,6 +45,7 @@ with FMA contraction off so every other step rounds like the reference.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -83,6 +95,28 @@ def e2m1_thresholds(step):
     inf = float("inf")
     return (tl.where(zero, inf, t0), tl.where(zero, inf, t1), tl.where(zero, inf, t2), tl.where(zero, inf, t3),
             tl.where(zero, inf, t4), tl.where(zero, inf, t5), tl.where(zero, inf, t6))
+
+
+# (midpoint displaced by half an fp32 ulp, strict) of e2m1_thresholds, for the Python twin below
+_THRESHOLD_CONSTANTS = (
+    (0.250000014901161193847656250, True), (0.749999970197677612304687500, False),
+    (1.250000059604644775390625000, True), (1.749999940395355224609375000, False),
+    (2.500000119209289550781250000, True), (3.499999880790710449218750000, False),
+    (5.000000238418579101562500000, True),
+)
+
+
+def e2m1_threshold_reference(step: float, i: int) -> float:
+    """Threshold ``T_i`` of ``e2m1_thresholds`` for one fp32 ``step`` (a Python float), in Python:
+    the smallest fp32 ``a`` with ``a > c_i * step`` (or ``>=``), the product exact in fp64."""
+    if step <= 0:
+        return float("inf")
+    c, strict = _THRESHOLD_CONSTANTS[i]
+    b = c * step
+    a = torch.tensor(b, dtype=torch.float64).float()
+    if (a.item() <= b) if strict else (a.item() < b):
+        a = torch.nextafter(a, torch.tensor(float("inf")))
+    return a.item()
 
 
 @triton.jit
@@ -268,11 +302,491 @@ def _quantize_kernel(
         tl.store(scaled_ptr + qofs + 8, signed_scaled(ib, xb, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
 
 
+# ---------------------------------------------------------------------------
+# The 16-bit kernel: bf16 / fp16 activations two at a time, thresholds from a table
+# ---------------------------------------------------------------------------
+# A block's thresholds depend only on its E4M3 scale code (and on the global scale), so every program
+# first writes them for all 127 codes into its own small table in global memory (rows of 16 int32 words:
+# 0-6 the thresholds rounded up to the input's 16-bit format -- an exact 16-bit |x| is >= T iff it is
+# >= that -- each in both halves of the word; 7 the scale in both halves; 8 the fp32 step
+# ``scale / global_enc``), then gathers the row of each block's code instead of computing seven fp64
+# products per block. Each program reads its table after a barrier (its own writes are then visible
+# to all its threads; one table shared by all programs was measured 2-20x slower, every program
+# writing the same lines), and the grid is persistent (a few programs per SM looping over tiles), so
+# the table costs one row a thread per program: 8 KB of scratch each.
+TABLE_ROWS = tl.constexpr(128)
+TABLE_WORDS = tl.constexpr(16)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """fp32 value of E4M3 codes 0..126 (int32), exactly, by bit moves."""
+    e = code >> 3
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _round_up_16(t, F16: tl.constexpr):
+    """Bit pattern (int32, 0..0x7F80 / 0x7C00) of the smallest bf16 (fp16) that is >= the fp32 ``t >= 0``
+    (+inf when none is finite): an exact 16-bit ``|x|`` is ``>= t`` iff it is ``>=`` that value."""
+    if F16:
+        h = t.to(tl.float16)  # nearest
+        hb = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        up = tl.where(h.to(tl.float32) < t, hb + 1, hb)
+    else:
+        tb = t.to(tl.int32, bitcast=True)
+        up = tl.minimum(tl.where((tb & 0xFFFF) != 0, tb + 0x10000, tb) >> 16, 0x7F80)
+    return up
+
+
+@triton.jit
+def _store_pair(ptr, t, F16: tl.constexpr):
+    h = _round_up_16(t, F16)
+    tl.store(ptr, h | (h << 16))
+
+
+@triton.jit
+def _write_table(table_ptr, global_enc, F16: tl.constexpr):
+    """Every program's prologue: the table rows of all codes (one a thread), then a barrier."""
+    code = tl.arange(0, TABLE_ROWS)
+    scale = tl.where(code < 127, _e4m3_value(code), 0.0)
+    step = tl.math.div_rn(scale, global_enc)
+    t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
+    row = table_ptr + code * TABLE_WORDS
+    _store_pair(row, t0, F16)
+    _store_pair(row + 1, t1, F16)
+    _store_pair(row + 2, t2, F16)
+    _store_pair(row + 3, t3, F16)
+    _store_pair(row + 4, t4, F16)
+    _store_pair(row + 5, t5, F16)
+    _store_pair(row + 6, t6, F16)
+    _store_pair(row + 7, scale, F16)  # E4M3 values are exact in both formats
+    tl.store(row + 8, step.to(tl.int32, bitcast=True))
+    tl.debug_barrier()
+
+
+# The 16-bit kernel's element work, on int32 words holding two 16-bit floats (element 2p in the low
+# half, 2p + 1 in the high half). Each helper is one inline-PTX block on the GPU (``ASM``) and the same
+# arithmetic spelled in Triton elsewhere (the interpreter cannot run PTX); tests check the two agree.
+def _count_asm(f16: bool) -> str:
+    """``$0`` = per half ``base + #{i : $1 >= $(2+i)}`` (base 128 in bf16 / 1024 in fp16, whose low
+    bits are then the count): seven packed compares (1.0 where true) summed by packed adds, exact."""
+    ty = "f16x2" if f16 else "bf16x2"
+    base = "0x64006400" if f16 else "0x43004300"
+    lines = ["{", ".reg .b32 s, c;", f"mov.b32 c, {base};"]
+    for i in range(7):
+        lines.append(f"set.ge.{ty}.{ty} s, $1, ${i + 2}; add.rn.{ty} c, c, s;")
+    lines += ["mov.b32 $0, c;", "}"]
+    return "\n".join(lines)
+
+
+def _value_asm(f16: bool) -> str:
+    """E2M1 magnitude ``v`` of a count ``c = base + i`` per half: ``max(i / 2, i - 2, 2i - 8)``
+    (0, .5, 1, 1.5, 2, 3, 4, 6), three packed FMAs and two maxes, all exact."""
+    if f16:  # 0.5, -512 | -1026 | 2, -2056
+        ty, half, a0, b0, two, d0 = "f16x2", "0x38003800", "0xE000E000", "0xE402E402", "0x40004000", "0xE804E804"
+    else:  # 0.5, -64 | -130 | 2, -264
+        ty, half, a0, b0, two, d0 = "bf16x2", "0x3F003F00", "0xC280C280", "0xC302C302", "0x40004000", "0xC384C384"
+    one = "0x3C003C00" if f16 else "0x3F803F80"
+    return "\n".join([
+        "{", ".reg .b32 a, b, d, k0, k1;",
+        f"mov.b32 k0, {half}; mov.b32 k1, {a0}; fma.rn.{ty} a, $1, k0, k1;",
+        f"mov.b32 k0, {one}; mov.b32 k1, {b0}; fma.rn.{ty} b, $1, k0, k1;",
+        f"mov.b32 k0, {two}; mov.b32 k1, {d0}; fma.rn.{ty} d, $1, k0, k1;",
+        f"max.{ty} a, a, b; max.{ty} $0, a, d;", "}",
+    ])
+
+
+# The packed word of 8 codes from four counts ($1-$4) and the four input words ($5-$8) they came
+# from: each half's sign goes to bit 3 of its count's low byte (bits 4-7 of that byte are zero), then
+# the low bytes are gathered (prmt) so that code e sits at bits 4e..4e+3.
+_PACK_ASM = "\n".join([
+    "{", ".reg .b32 t0, t1, t2, t3, a, b, z, w;",
+    "shr.u32 t0, $5, 12; and.b32 t0, t0, 0x00080008; or.b32 t0, t0, $1;",
+    "shr.u32 t1, $6, 12; and.b32 t1, t1, 0x00080008; or.b32 t1, t1, $2;",
+    "shr.u32 t2, $7, 12; and.b32 t2, t2, 0x00080008; or.b32 t2, t2, $3;",
+    "shr.u32 t3, $8, 12; and.b32 t3, t3, 0x00080008; or.b32 t3, t3, $4;",
+    "prmt.b32 a, t0, t1, 0x6420; prmt.b32 b, t2, t3, 0x6420;",
+    "prmt.b32 z, a, b, 0x6420; prmt.b32 w, a, b, 0x7531;",
+    "shl.b32 w, w, 4; or.b32 $0, z, w;", "}",
+])
+
+
+def _max8_asm(f16: bool) -> str:
+    """Packed max of eight words of magnitudes, then of its two halves: ``$0`` = the 16-bit pattern of
+    the largest |x| of the block (patterns of non-negative floats order like their values)."""
+    ty = "f16x2" if f16 else "bf16x2"
+    return "\n".join([
+        "{", ".reg .b32 a, b, c, d;",
+        f"max.{ty} a, $1, $2; max.{ty} b, $3, $4; max.{ty} c, $5, $6; max.{ty} d, $7, $8;",
+        f"max.{ty} a, a, b; max.{ty} c, c, d; max.{ty} a, a, c;",
+        "shr.u32 b, a, 16; and.b32 a, a, 0xFFFF; max.u32 $0, a, b;", "}",
+    ])
+
+
+def _scaled_asm(f16: bool) -> str:
+    """``$0`` = ``v * scale`` per half (``$1`` the magnitudes, ``$2`` the scale in both halves; exact),
+    with the sign of the input word ``$3``."""
+    ty = "f16x2" if f16 else "bf16x2"
+    return f"{{ .reg .b32 a; mul.rn.{ty} a, $1, $2; and.b32 $0, $3, 0x80008000; or.b32 $0, $0, a; }}"
+
+
+_COUNT_BF16 = tl.constexpr(_count_asm(False))
+_COUNT_F16 = tl.constexpr(_count_asm(True))
+_VALUE_BF16 = tl.constexpr(_value_asm(False))
+_VALUE_F16 = tl.constexpr(_value_asm(True))
+_MAX8_BF16 = tl.constexpr(_max8_asm(False))
+_MAX8_F16 = tl.constexpr(_max8_asm(True))
+_SCALED_BF16 = tl.constexpr(_scaled_asm(False))
+_SCALED_F16 = tl.constexpr(_scaled_asm(True))
+_PACK = tl.constexpr(_PACK_ASM)
+_C9 = tl.constexpr("=r,r,r,r,r,r,r,r,r")
+
+
+@triton.jit
+def _lanes(w, F16: tl.constexpr):
+    """The two 16-bit floats of int32 words as fp32 (exact): (low half, high half)."""
+    if F16:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _from_lanes(lo, hi, F16: tl.constexpr):
+    """fp32 values exact in the 16-bit format -> int32 words (inverse of ``_lanes``)."""
+    if F16:
+        blo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bhi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        blo = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        bhi = hi.to(tl.int32, bitcast=True) & -65536
+    return blo | bhi
+
+
+@triton.jit
+def _ge(a, t, F16: tl.constexpr):
+    tv, _ = _lanes(t, F16)
+    return (a >= tv).to(tl.int32)
+
+
+@triton.jit
+def _ptx8(a0, a1, a2, a3, a4, a5, a6, a7, PTX_BF16: tl.constexpr, PTX_F16: tl.constexpr, F16: tl.constexpr):
+    """One int32 from eight, by the PTX block of the format."""
+    if F16:
+        out = tl.inline_asm_elementwise(PTX_F16, _C9, [a0, a1, a2, a3, a4, a5, a6, a7], tl.int32, True, 1)
+    else:
+        out = tl.inline_asm_elementwise(PTX_BF16, _C9, [a0, a1, a2, a3, a4, a5, a6, a7], tl.int32, True, 1)
+    return out
+
+
+@triton.jit
+def _count(ax, t0, t1, t2, t3, t4, t5, t6, F16: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        c = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _COUNT_BF16, _COUNT_F16, F16)
+    else:
+        lo, hi = _lanes(ax, F16)
+        base = 0x6400 if F16 else 0x4300
+        clo = base + _ge(lo, t0, F16) + _ge(lo, t1, F16) + _ge(lo, t2, F16) + _ge(lo, t3, F16) \
+            + _ge(lo, t4, F16) + _ge(lo, t5, F16) + _ge(lo, t6, F16)
+        chi = base + _ge(hi, t0, F16) + _ge(hi, t1, F16) + _ge(hi, t2, F16) + _ge(hi, t3, F16) \
+            + _ge(hi, t4, F16) + _ge(hi, t5, F16) + _ge(hi, t6, F16)
+        c = clo | (chi << 16)
+    return c
+
+
+@triton.jit
+def _magnitude(count, F16: tl.constexpr, ASM: tl.constexpr):
+    """E2M1 magnitudes (16-bit floats in both halves) of a count word."""
+    if ASM:
+        if F16:
+            v = tl.inline_asm_elementwise(_VALUE_F16, "=r,r", [count], tl.int32, True, 1)
+        else:
+            v = tl.inline_asm_elementwise(_VALUE_BF16, "=r,r", [count], tl.int32, True, 1)
+    else:
+        v = _from_lanes(e2m1_value(count & 7), e2m1_value((count >> 16) & 7), F16)
+    return v
+
+
+@triton.jit
+def _pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM: tl.constexpr):
+    if ASM:
+        word = tl.inline_asm_elementwise(_PACK, _C9, [c0, c1, c2, c3, w0, w1, w2, w3], tl.int32, True, 1)
+    else:
+        word = _pair_byte(c0, w0) | (_pair_byte(c1, w1) << 8) | (_pair_byte(c2, w2) << 16) | (_pair_byte(c3, w3) << 24)
+    return word
+
+
+@triton.jit
+def _pair_byte(c, w):
+    lo = (c & 7) | ((w >> 12) & 8)
+    hi = ((c >> 16) & 7) | ((w >> 28) & 8)
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _max8(a0, a1, a2, a3, a4, a5, a6, a7, F16: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        top = _ptx8(a0, a1, a2, a3, a4, a5, a6, a7, _MAX8_BF16, _MAX8_F16, F16)
+    else:
+        m = tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7)))
+        m2 = tl.maximum(tl.maximum(a0 & 0xFFFF, a1 & 0xFFFF), tl.maximum(a2 & 0xFFFF, a3 & 0xFFFF))
+        m2 = tl.maximum(m2, tl.maximum(tl.maximum(a4 & 0xFFFF, a5 & 0xFFFF), tl.maximum(a6 & 0xFFFF, a7 & 0xFFFF)))
+        top = tl.maximum(m >> 16, m2)
+    return top
+
+
+@triton.jit
+def _scaled(mag, scale2, w, F16: tl.constexpr, ASM: tl.constexpr):
+    if ASM:
+        if F16:
+            s = tl.inline_asm_elementwise(_SCALED_F16, "=r,r,r,r", [mag, scale2, w], tl.int32, True, 1)
+        else:
+            s = tl.inline_asm_elementwise(_SCALED_BF16, "=r,r,r,r", [mag, scale2, w], tl.int32, True, 1)
+    else:
+        mlo, mhi = _lanes(mag, F16)
+        slo, _ = _lanes(scale2, F16)
+        s = _from_lanes(mlo * slo, mhi * slo, F16) | (w & -2147450880)  # 0x80008000
+    return s
+
+
+@triton.jit
+def _split4(t):
+    """[BM, NB, 4] held by one thread -> its four [BM, NB] slices."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))  # a: 0, 2; b: 1, 3
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _row(table_ptr, code):
+    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code."""
+    p = table_ptr + code * TABLE_WORDS
+    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
+
+
+@triton.jit
+def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16: tl.constexpr, ASM: tl.constexpr):
+    """The counts of a block's eight words against its code's thresholds."""
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code)
+    return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _count(a6, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a7, t0, t1, t2, t3, t4, t5, t6, F16, ASM))
+
+
+@triton.jit
+def _pair_error(mag, ax, step, F16: tl.constexpr, RULE: tl.constexpr):
+    """Error of the two elements of each word: ``fl(v * step) - |x|`` per half (the reference's
+    ``x_hat - x`` up to sign), as squared + squared / |.| + |.| / max."""
+    vlo, vhi = _lanes(mag, F16)
+    alo, ahi = _lanes(ax, F16)
+    dlo = vlo * step - alo
+    dhi = vhi * step - ahi
+    if RULE == 1:
+        return dlo * dlo + dhi * dhi
+    elif RULE == 2:
+        return tl.abs(dlo) + tl.abs(dhi)
+    else:
+        return tl.maximum(tl.abs(dlo), tl.abs(dhi))
+
+
+@triton.jit
+def _half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step, F16: tl.constexpr, RULE: tl.constexpr,
+                      ASM: tl.constexpr):
+    e0 = _pair_error(_magnitude(c0, F16, ASM), a0, step, F16, RULE)
+    e1 = _pair_error(_magnitude(c1, F16, ASM), a1, step, F16, RULE)
+    e2 = _pair_error(_magnitude(c2, F16, ASM), a2, step, F16, RULE)
+    e3 = _pair_error(_magnitude(c3, F16, ASM), a3, step, F16, RULE)
+    return _combine(_combine(e0, e1, RULE), _combine(e2, e3, RULE), RULE)
+
+
+@triton.jit
+def _join4(t0, t1, t2, t3):
+    """Four [BM, NB] slices -> [BM, NB, 4] held by one thread (inverse of ``_split4``)."""
+    return tl.reshape(tl.join(tl.join(t0, t2), tl.join(t1, t3)), (t0.shape[0], t0.shape[1], 4))
+
+
+@triton.jit
+def _tile_offsets(tm, tk, M, nblocks, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr):
+    """Rows, blocks and mask of the tile at (tile row ``tm``, tile column ``tk``); a tile past the
+    last one has every row past M, so it is masked off whole."""
+    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    blocks = tk * BLOCKS_K + tl.arange(0, BLOCKS_K)
+    mask = (rows < M)[:, None] & (blocks < nblocks)[None, :]
+    return rows.to(tl.int64), blocks, mask
+
+
+@triton.jit
+def _load_tile(x_ptr, rows64, blocks, mask, stride_xw):
+    offs = rows64[:, None, None] * stride_xw + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0)
+    wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0)
+    return wa, wb
+
+
+@triton.jit
+def _quantize16_tile(
+    wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
+    K, stride_sw,
+    F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    w0, w1, w2, w3 = _split4(wa)
+    w4, w5, w6, w7 = _split4(wb)
+    a0 = w0 & 0x7FFF7FFF
+    a1 = w1 & 0x7FFF7FFF
+    a2 = w2 & 0x7FFF7FFF
+    a3 = w3 & 0x7FFF7FFF
+    a4 = w4 & 0x7FFF7FFF
+    a5 = w5 & 0x7FFF7FFF
+    a6 = w6 & 0x7FFF7FFF
+    a7 = w7 & 0x7FFF7FFF
+    mbits = _max8(a0, a1, a2, a3, a4, a5, a6, a7, F16, ASM)
+    if F16:
+        bmax = mbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        bmax = (mbits << 16).to(tl.float32, bitcast=True)
+    _, code = e4m3_block_scale(bmax, global_enc, 6.0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16, ASM)
+    chose_four = code < 0  # all False, in the per-block layout
+    if FOUR_SIX != 0:
+        # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
+        _, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, F16, ASM)
+        step6 = tl.load(table_ptr + code * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
+        step4 = tl.load(table_ptr + code4 * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
+        err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
+                        _half_block_error(c4, c5, c6, c7, a4, a5, a6, a7, step6, F16, FOUR_SIX, ASM), FOUR_SIX)
+        err4 = _combine(_half_block_error(d0, d1, d2, d3, a0, a1, a2, a3, step4, F16, FOUR_SIX, ASM),
+                        _half_block_error(d4, d5, d6, d7, a4, a5, a6, a7, step4, F16, FOUR_SIX, ASM), FOUR_SIX)
+        chose_four = err4 < err6  # ties keep the 6-scale
+        c0 = tl.where(chose_four, d0, c0)
+        c1 = tl.where(chose_four, d1, c1)
+        c2 = tl.where(chose_four, d2, c2)
+        c3 = tl.where(chose_four, d3, c3)
+        c4 = tl.where(chose_four, d4, c4)
+        c5 = tl.where(chose_four, d5, c5)
+        c6 = tl.where(chose_four, d6, c6)
+        c7 = tl.where(chose_four, d7, c7)
+        code = tl.where(chose_four, code4, code)
+
+    nblocks = K // 16
+    sofs = rows64[:, None] * nblocks + blocks[None, :]
+    if EMIT_PACKED:
+        words = tl.join(_pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM), _pack4(c4, c5, c6, c7, w4, w5, w6, w7, ASM))
+        wofs = (rows64[:, None] * (K // 8) + blocks[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
+        tl.store(packed_ptr + wofs, words, mask=mask2[:, :, None])
+        tl.store(scale_ptr + sofs, code.to(tl.uint8), mask=mask2)
+        if FOUR_SIX != 0:
+            tl.store(chose_ptr + sofs, chose_four.to(tl.int8), mask=mask2)
+    if EMIT_SCALED:
+        s2 = tl.load(table_ptr + code * TABLE_WORDS + 7)
+        q = (rows64[:, None] * stride_sw + blocks[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
+        qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
+                    _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
+        qb = _join4(_scaled(_magnitude(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_magnitude(c5, F16, ASM), s2, w5, F16, ASM),
+                    _scaled(_magnitude(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_magnitude(c7, F16, ASM), s2, w7, F16, ASM))
+        tl.store(scaled_ptr + q, qa, mask=mask2[:, :, None])
+        tl.store(scaled_ptr + q + 4, qb, mask=mask2[:, :, None])
+
+
+@triton.jit
+def _quantize16_kernel(
+    x_ptr, amax_ptr, table_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
+    M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
+    F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr,
+):
+    # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
+    # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
+    # next tile's words are loaded before this tile's math, so memory and math overlap.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    global_enc = global_enc_from_amax(tl.load(amax_ptr), FOUR_SIX)
+    if pid == 0:
+        tl.store(enc_ptr, global_enc)
+    nblocks = K // 16
+    # tile t = tm * n_ktiles + tk; stepping t by nprog steps (tm, tk) without a division
+    tm = pid // n_ktiles
+    tk = pid % n_ktiles
+    dm = nprog // n_ktiles
+    dk = nprog % n_ktiles
+    rows64, blocks, mask2 = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
+    wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
+    table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
+    _write_table(table_ptr, global_enc, F16)
+    for t in range(pid, n_tiles, nprog):
+        tk += dk
+        wrap = tk >= n_ktiles
+        tm += dm + wrap.to(tl.int32)
+        tk = tl.where(wrap, tk - n_ktiles, tk)
+        nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
+        na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
+        _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
+                         scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM)
+        wa = na
+        wb = nb
+        rows64 = nrows64
+        blocks = nblk
+        mask2 = nmask
+
+
 def _tile(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCKS_K, num_warps) for an [m, k] input: about 4K elements a program."""
     blocks_k = min(32, triton.next_power_of_2(max(1, k // 16)))
     block_m = max(1, min(triton.next_power_of_2(m), 256 // blocks_k))
     return block_m, blocks_k, 4
+
+
+def _tile16(m: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCKS_K, num_warps) of the 16-bit kernel's tile: a thread holds one block of 16
+    elements, 128 blocks a tile (``FP4PTQ_QUANT16_TILE=bm,bk,warps`` overrides, for sweeps)."""
+    forced = os.environ.get("FP4PTQ_QUANT16_TILE")
+    if forced:
+        bm, bk, w = (int(v) for v in forced.split(","))
+        return bm, bk, w
+    blocks_k = min(128, triton.next_power_of_2(max(1, k // 16)))
+    block_m = max(1, min(triton.next_power_of_2(m), 128 // blocks_k))
+    return block_m, blocks_k, 4
+
+
+def _programs(device: torch.device, n_tiles: int) -> int:
+    """Persistent grid size: about 8 tiles a program (each program first builds its own table, which
+    costs about as much as a few tiles), between 2 and 8 programs per SM (H200 sweep in
+    benchmarks/NOTES.md); ``FP4PTQ_QUANT16_PER_SM`` fixes the programs per SM, for sweeps. Under the
+    interpreter 64, which only sets how many tiles a program loops over."""
+    if device.type != "cuda":
+        return min(n_tiles, 64)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    forced = os.environ.get("FP4PTQ_QUANT16_PER_SM")
+    if forced:
+        return min(n_tiles, int(forced) * sms)
+    return min(n_tiles, max(2 * sms, min(8 * sms, n_tiles // 8)))
+
+
+# Below this many elements the fp32-compare kernel (no table, one tile a program) is as fast or
+# faster (H200: 2.9 vs 3.2 us at 16 x 4096, 3.1 vs 5.1 us at 128 x 4096, 8.4 vs 8.5 us at 1024 x 4096).
+QUANT16_MIN_ELEMENTS = 1 << 22
+
+
+# The 16-bit kernel is used for bf16 / fp16 inputs unless FP4PTQ_QUANT16=0 (the fp32-compare kernel
+# then takes every dtype; kept selectable for comparisons).
+QUANT16 = os.environ.get("FP4PTQ_QUANT16", "1") != "0"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _words(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The int32 view of a 2-D 16-bit ``x`` (pairs of elements), or None where there is none."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        return None
+    return x.view(torch.int32) if x.shape[1] else None
 
 
 def launch_quantize(
@@ -290,6 +804,10 @@ def launch_quantize(
     global_enc fp32 0-dim, chose_four bool [M, K/16] or None)``.
     emit="scaled": returns ``(v * block_scale [M, K] in out_dtype (default x's),
     global_enc)`` for the W4A4 GEMM.
+
+    bf16 / fp16 inputs go to the 16-bit kernel (two elements a register, thresholds from a table
+    built by a one-program kernel); fp32 inputs, and a scaled output in another dtype, to the fp32 one.
+    Both give the reference's codes and scales.
     """
     if emit not in EMITS:
         raise ValueError(f"emit must be one of {EMITS}, got {emit!r}")
@@ -302,9 +820,7 @@ def launch_quantize(
         x = x.contiguous()
     dev = x.device
     amax = amax.reshape(1).to(device=dev, dtype=torch.float32)
-    enc = torch.empty((), dtype=torch.float32, device=dev)
     packed = scale = chose = scaled = None
-    dummy = enc  # pointer for outputs this launch does not write
     if emit == "packed":
         packed = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
         scale = torch.empty(m, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
@@ -312,21 +828,50 @@ def launch_quantize(
             chose = torch.empty(m, k // BLOCK_SIZE, dtype=torch.int8, device=dev)
     else:
         scaled = torch.empty(m, k, dtype=out_dtype or x.dtype, device=dev)
-    block_m, blocks_k, warps = _tile(m, k)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(k // BLOCK_SIZE, blocks_k))
-    if m and k:
-        _quantize_kernel[grid](
-            x, amax, enc,
+    words = None
+    if QUANT16 and m * k >= QUANT16_MIN_ELEMENTS and x.dtype in (torch.bfloat16, torch.float16) \
+            and (scaled is None or scaled.dtype == x.dtype):
+        words = _words(x)
+        if words is None:  # an odd row stride or offset: the int32 view needs pairs
+            x = x.contiguous()
+            words = _words(x)
+    if words is not None:
+        enc = torch.empty((), dtype=torch.float32, device=dev)
+        dummy = enc
+        block_m, blocks_k, warps = _tile16(m, k)
+        n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
+        n_tiles = triton.cdiv(m, block_m) * n_ktiles
+        grid = (_programs(dev, n_tiles),)
+        table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
+        _quantize16_kernel[grid](
+            words, amax, table, enc,
             packed.view(torch.int32) if packed is not None else dummy,
             scale.view(torch.uint8) if scale is not None else dummy,
             chose if chose is not None else dummy,
-            scaled if scaled is not None else dummy,
-            m, k, x.stride(0), scaled.stride(0) if scaled is not None else 0,
-            FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
+            scaled.view(torch.int32) if scaled is not None else dummy,
+            m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
+            F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
+            EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
             BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
         )
-    else:  # nothing to launch; the global scale still follows the amax
-        enc.copy_(nvfp4.global_encode_scale(amax.reshape(()), four_six is not None))
+    else:
+        enc = torch.empty((), dtype=torch.float32, device=dev)
+        dummy = enc  # pointer for outputs this launch does not write
+        block_m, blocks_k, warps = _tile(m, k)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(k // BLOCK_SIZE, blocks_k))
+        if m and k:
+            _quantize_kernel[grid](
+                x, amax, enc,
+                packed.view(torch.int32) if packed is not None else dummy,
+                scale.view(torch.uint8) if scale is not None else dummy,
+                chose if chose is not None else dummy,
+                scaled if scaled is not None else dummy,
+                m, k, x.stride(0), scaled.stride(0) if scaled is not None else 0,
+                FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
+                BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
+            )
+        else:  # nothing to launch; the global scale still follows the amax
+            enc.copy_(nvfp4.global_encode_scale(amax.reshape(()), four_six is not None))
     if emit == "scaled":
         return scaled, enc
     return packed, scale, enc, None if chose is None else chose.bool()

@@ -1,0 +1,186 @@
+"""The 16-bit quantize kernel on the H200: exactness against ``nvfp4.quantize`` on adversarial data
+(every finite bf16 / fp16 bit pattern; blocks of random patterns below a random block max; static
+scales that saturate, and a tiny amax whose thresholds are subnormal), then time per call against the
+fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M = 1024 / 8192.
+
+    PYTHONPATH=$PWD:$PWD/.peers python benchmarks/quant16_h200.py   # writes $OUT/quant16_h200.json
+
+Knobs: PHASES (check,time,sweep,w4a4), BUDGET_S.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+import peers_h200 as peers
+from fp4ptq import nvfp4
+from fp4ptq.kernels import gemm as gm
+from fp4ptq.kernels import quantize_kernel as qk
+
+dev = torch.device(os.environ.get("DEV", "cuda"))
+OUT = os.environ.get("OUT", ".")
+PHASES = os.environ.get("PHASES", "check,time,sweep,w4a4").split(",")
+T0 = time.time()
+BUDGET = float(os.environ.get("BUDGET_S", "400"))
+res = {"env": peers.env() if dev.type == "cuda" else {}, "check": [], "time": [], "sweep": [], "w4a4": []}
+
+
+def save():
+    with open(os.path.join(OUT, "quant16_h200.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def patterns(dtype):
+    """Every finite pattern of the 16-bit dtype, as [n, 16] (shuffled), and 2^20 blocks whose 15
+    other elements are random patterns at or below a random block max (random signs)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = bits[torch.isfinite(bits.float())]
+    finite = finite[torch.randperm(finite.numel(), generator=g)]
+    pad = (-finite.numel()) % 16
+    every = torch.cat([finite, finite[:pad]]).reshape(-1, 16)
+    top = 0x7F7F if dtype == torch.bfloat16 else 0x7BFF
+    bmax = torch.randint(0, top + 1, (1 << 20, 1), generator=g)
+    frac = torch.rand(1 << 20, 16, generator=g)
+    pat = (frac * (bmax + 1).float()).long().clamp(max=top)
+    pat[:, 0] = bmax[:, 0]
+    pat = pat[:, torch.randperm(16, generator=g)]
+    sign = torch.randint(0, 2, pat.shape, generator=g) << 15
+    below = (pat | sign).to(torch.int32).to(torch.int16).view(dtype)
+    return every.to(dev), below.to(dev)
+
+
+def compare(x, rule, amax, emit):
+    """Mismatches of the 16-bit kernel against the reference (and 4/6 choice flips)."""
+    a = None if amax is None else torch.tensor(amax, device=dev)
+    ref = nvfp4.quantize(x, rule, amax=a)
+    amax_t = a if a is not None else nvfp4.tensor_amax(x)
+    out = {"rule": rule, "amax": amax, "emit": emit, "dtype": str(x.dtype), "blocks": x.numel() // 16}
+    if emit == "packed":
+        packed, scale, enc, chose = qk.launch_quantize(x, amax_t, rule)
+        out["global_equal"] = bool(torch.equal(enc, ref.global_enc))
+        sm = scale.view(torch.uint8) != ref.block_scale.view(torch.uint8)
+        out["scale_mismatch"] = int(sm.sum())
+        out["code_mismatch_bytes"] = int((packed != ref.packed).sum())
+        if rule is not None:
+            flips = chose != ref.chose_four
+            out["four_six_flips"] = int(flips.sum())
+            if out["four_six_flips"]:  # how close the two candidates' errors were there (fp64)
+              try:
+                blocks = x.float().reshape(-1, 16)[flips.reshape(-1)].double()
+                bmax = blocks.abs().amax(-1)
+                errs = []
+                for target in (6.0, 4.0):
+                    step = (nvfp4.block_scale(bmax.float(), ref.global_enc, target) / ref.global_enc).double()
+                    x_hat = nvfp4.e2m1_rne((blocks / step.unsqueeze(-1)).float()).double() * step.unsqueeze(-1)
+                    errs.append(nvfp4._block_error(x_hat, blocks, rule))
+                gap = (errs[0] - errs[1]).abs() / errs[0].abs().clamp(min=1e-300)
+                out["flip_max_rel_gap"] = float(gap.max())
+              except Exception as e:  # noqa: BLE001
+                out["flip_gap_error"] = repr(e)[:200]
+            pm = (packed != ref.packed).reshape(packed.shape[0], -1, 8).any(-1)
+            out["code_mismatch_outside_flips"] = int((pm & ~flips).sum())
+            out["scale_mismatch_outside_flips"] = int((sm & ~flips).sum())
+    else:
+        scaled, enc = qk.launch_quantize(x, amax_t, rule, emit="scaled")
+        expect = nvfp4.e2m1_decode(ref.codes()) * ref.block_scale.float().repeat_interleave(16, -1)
+        out["global_equal"] = bool(torch.equal(enc, ref.global_enc))
+        out["scaled_mismatch"] = int((scaled.float() != expect).sum())
+        if rule is not None:
+            # a flipped 4/6 choice changes a whole block; count the blocks instead
+            bad = (scaled.float() != expect).reshape(x.shape[0], -1, 16).any(-1)
+            out["scaled_mismatch_blocks"] = int(bad.sum())
+    return out
+
+
+if "check" in PHASES:
+    for dtype in (torch.bfloat16, torch.float16):
+        every, below = patterns(dtype)
+        for name, x in (("every_pattern", every), ("below_block_max", below)):
+            for amax in (None, 1.0, 1e-3, 3e4 if dtype == torch.float16 else 1e30, 1e-35 if dtype == torch.bfloat16 else 1e-7):
+                for rule in (None, "mse", "mae", "max"):
+                    for emit in ("packed", "scaled"):
+                        r = compare(x, rule, amax, emit)
+                        r["data"] = name
+                        res["check"].append(r)
+                        print(json.dumps(r), flush=True)
+    save()
+
+
+def bench_quant(x, amax, rule, old=False, emit="packed"):
+    qk.QUANT16 = not old
+    try:
+        return peers.bench(lambda: qk.launch_quantize(x, amax, rule, emit=emit)) * 1e3
+    finally:
+        qk.QUANT16 = True
+
+
+if "time" in PHASES:
+    copy = peers.copy_bw()
+    res["copy_TBps"] = copy
+    for m, k in ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        byt = 2 * m * k + m * k / 2 + m * k / 16
+        clone = peers.bench(lambda: x.clone()) * 1e3
+        row = {"m": m, "k": k, "clone_us": clone, "copy_TBps": copy}
+        for rule in (None, "mse", "mae", "max"):
+            for old in (False, True):
+                us = bench_quant(x, amax, rule, old)
+                row[f"{'old' if old else 'new'}_{rule}_us"] = us
+                row[f"{'old' if old else 'new'}_{rule}_TBps"] = byt / (us * 1e-6) / 1e12
+        us = bench_quant(x, amax, None, False, "scaled")
+        row["new_scaled_us"] = us
+        row["old_scaled_us"] = bench_quant(x, amax, None, True, "scaled")
+        res["time"].append(row)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    save()
+
+if "sweep" in PHASES:
+    for m, k in ((8192, 14336), (1024, 4096)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        byt = 2 * m * k + m * k / 2 + m * k / 16
+        for tile in ((1, 128, 4), (2, 128, 4), (2, 128, 8), (4, 128, 8)):
+            for per_sm in (2, 4, 8, 16):
+                if time.time() - T0 > BUDGET:
+                    break
+                os.environ["FP4PTQ_QUANT16_TILE"] = ",".join(map(str, tile))
+                os.environ["FP4PTQ_QUANT16_PER_SM"] = str(per_sm)
+                for rule in (None, "mse"):
+                    us = bench_quant(x, amax, rule)
+                    res["sweep"].append({"m": m, "k": k, "tile": tile, "per_sm": per_sm, "rule": rule, "us": us,
+                                         "TBps": byt / (us * 1e-6) / 1e12})
+                    print(f"sweep {m}x{k} {tile} x{per_sm} {rule} {us:.1f}us {byt / (us * 1e-6) / 1e12:.2f}TB/s",
+                          flush=True)
+        os.environ.pop("FP4PTQ_QUANT16_TILE", None)
+        os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+    save()
+
+if "w4a4" in PHASES:
+    for name in ("8B.qkv", "8B.o", "8B.gate_up", "8B.down"):
+        n, k = peers.SHAPES[name]
+        wq = nvfp4.quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        for m in (1024, 8192):
+            if time.time() - T0 > BUDGET:
+                break
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            amax = x.float().abs().amax()
+            row = {"shape": name, "m": m, "cublas_us": peers.bench(lambda: x @ w.t()) * 1e3}
+            for old in (False, True):
+                qk.QUANT16 = not old
+                row[f"w4a4_{'old' if old else 'new'}_us"] = peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3
+                row[f"w4a4_mse_{'old' if old else 'new'}_us"] = peers.bench(
+                    lambda: gm.linear_w4a4(x, wq, amax, four_six="mse")) * 1e3
+            qk.QUANT16 = True
+            ref = gm.linear_w4a4(x[:64], wq, amax, path="gemm").float()
+            got = gm.linear_w4a4(x, wq, amax)[:64].float()
+            row["rel_err_vs_tiled"] = float((got - ref).norm() / ref.norm())
+            res["w4a4"].append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    save()
+print("done", round(time.time() - T0), "s")

@@ -1,0 +1,223 @@
+"""The 16-bit quantize kernel's inline PTX (fp4ptq/kernels/quantize_kernel.py) on CPU.
+
+The kernel's element work is PTX on the GPU; the Triton interpreter runs its Triton twin instead
+(tests/test_kernels.py checks that one against the reference). Here a small emulator executes the
+PTX text itself (the dozen instructions it uses, bit for bit: packed 16-bit float compares, adds,
+FMAs, maxes and products rounded like the hardware, ``prmt``) on every bf16 / fp16 pattern and
+checks it against the reference rounding, and the kernel is compiled for the H200's sm_90. The
+same PTX on the GPU: benchmarks/quant16_h200.py (results/quant16_h200.json).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fp4ptq import nvfp4
+
+pytest.importorskip("triton")
+from fp4ptq.kernels import quantize_kernel as qk  # noqa: E402
+
+DTYPES = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+
+def _halves(r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def one(v):
+        v = torch.where(v >= 32768, v - 65536, v)
+        return v.to(torch.int16).view(dtype).double()
+    return one(r & 0xFFFF), one((r >> 16) & 0xFFFF)
+
+
+def _join(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def bits(v):  # one rounding to the 16-bit format (values here are exact in fp32)
+        return v.float().to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return bits(lo) | (bits(hi) << 16)
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(a)
+    for i in range(4):
+        out |= pool[(sel >> (4 * i)) & 7] << (8 * i)
+    return out
+
+
+def run_ptx(asm: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """Execute one of the kernel's PTX blocks on int64 tensors of 32-bit words (``$0`` is the
+    output, ``$1..`` the inputs), with the semantics of the PTX ISA for the instructions used."""
+    regs = {f"${i + 1}": v.to(torch.int64) & 0xFFFFFFFF for i, v in enumerate(inputs)}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return torch.full_like(inputs[0], int(tok, 0), dtype=torch.int64)
+
+    body = asm.replace("{", " ").replace("}", " ")
+    for stmt in (s.strip() for s in body.split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *src = [t.strip() for t in args.split(",")]
+        parts = op.split(".")
+        ty = parts[-1]
+        if op == "mov.b32":
+            out = val(src[0])
+        elif op == "and.b32":
+            out = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            out = val(src[0]) | val(src[1])
+        elif op == "shr.u32":
+            out = val(src[0]) >> int(src[1])
+        elif op == "shl.b32":
+            out = (val(src[0]) << int(src[1])) & 0xFFFFFFFF
+        elif op == "max.u32":
+            out = torch.maximum(val(src[0]), val(src[1]))
+        elif op == "prmt.b32":
+            out = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
+        elif ty in DTYPES:
+            dt = DTYPES[ty]
+            ops = [_halves(val(s), dt) for s in src]
+            if parts[0] == "set":  # set.ge.T.T: 1.0 in each half where true
+                assert parts[1] == "ge" and parts[2] == ty
+                lo, hi = ((ops[0][j] >= ops[1][j]).double() for j in (0, 1))
+            elif parts[0] == "add":
+                lo, hi = (ops[0][j] + ops[1][j] for j in (0, 1))
+            elif parts[0] == "mul":
+                lo, hi = (ops[0][j] * ops[1][j] for j in (0, 1))
+            elif parts[0] == "fma":
+                lo, hi = (ops[0][j] * ops[1][j] + ops[2][j] for j in (0, 1))
+            elif parts[0] == "max":
+                lo, hi = (torch.maximum(ops[0][j], ops[1][j]) for j in (0, 1))
+            else:
+                raise AssertionError(f"emulator: no {op}")
+            out = _join(lo, hi, dt)
+        else:
+            raise AssertionError(f"emulator: no {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs["$0"]
+
+
+def _all_patterns(dtype):
+    bits = torch.arange(65536, dtype=torch.int64)
+    finite = torch.isfinite(torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(dtype).float())
+    return bits[finite]
+
+
+def _pairs(p: torch.Tensor) -> torch.Tensor:
+    """Words of two patterns: (p[i], p[reversed i]) so both halves see every pattern."""
+    return p | (p.flip(0) << 16)
+
+
+def _thresholds(step: float, dtype) -> list[torch.Tensor]:
+    """The table row's 16-bit thresholds for one step, duplicated in both halves."""
+    fp32 = [qk.e2m1_threshold_reference(step, i) for i in range(7)]
+    out = []
+    for t in fp32:
+        if dtype == torch.bfloat16:
+            tb = torch.tensor([t], dtype=torch.float32).view(torch.int32).item()
+            h = min(((tb + 0xFFFF) >> 16), 0x7F80)
+        else:
+            h16 = torch.tensor([t], dtype=torch.float32).to(torch.float16)
+            h = h16.view(torch.int16).item() & 0xFFFF
+            if h16.float().item() < t:
+                h += 1
+        out.append(torch.tensor(h | (h << 16), dtype=torch.int64))
+    return out
+
+
+STEPS = [float(torch.tensor(s).float()) for s in (1.0, 0.3, 2.0 ** -20 * 1.7, 1.0 / 3.0, 448.0 / 2688.0, 6e-3, 1e-30, 2.0 ** -130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("step", STEPS)
+def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
+    """count - base == the E2M1 index of fl(|x| / step), for every finite |x| of the format, and
+    the magnitude PTX turns that count into the E2M1 value."""
+    f16 = dtype == torch.float16
+    p = _all_patterns(dtype) & 0x7FFF
+    words = _pairs(p)
+    counts = run_ptx(qk._count_asm(f16), words, *[t.expand_as(words) for t in _thresholds(step, dtype)])
+    base = 0x6400 if f16 else 0x4300
+    lo, hi = counts & 0xFFFF, counts >> 16
+    assert torch.all((lo & ~7) == base) and torch.all((hi & ~7) == base)
+    xs, _ = _halves(words, dtype)
+    expect = nvfp4.e2m1_rne(xs.float() / torch.tensor(step, dtype=torch.float32))
+    index = (lo & 7)
+    assert torch.equal(nvfp4.e2m1_decode(index).float(), expect.float())
+    mags = run_ptx(qk._value_asm(f16), counts)
+    mlo, mhi = _halves(mags, dtype)
+    assert torch.equal(mlo.float(), expect.float())
+    assert torch.equal(mhi.float(), nvfp4.e2m1_decode(hi & 7).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_max8_ptx_is_the_block_max_pattern(dtype):
+    g = torch.Generator().manual_seed(0)
+    p = _all_patterns(dtype) & 0x7FFF
+    words = p[torch.randint(0, p.numel(), (4096, 16), generator=g)]
+    packed = words[:, 0::2] | (words[:, 1::2] << 16)
+    got = run_ptx(qk._max8_asm(dtype == torch.float16), *packed.unbind(1))
+    assert torch.equal(got, words.max(1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pack_ptx_puts_code_e_at_bits_4e_with_the_sign(dtype):
+    g = torch.Generator().manual_seed(1)
+    base = 0x6400 if dtype == torch.float16 else 0x4300
+    idx = torch.randint(0, 8, (512, 8), generator=g)
+    sign = torch.randint(0, 2, (512, 8), generator=g)
+    mag = torch.randint(0, 0x7C00, (512, 8), generator=g)
+    x = (sign << 15) | mag
+    counts = (base + idx[:, 0::2]) | ((base + idx[:, 1::2]) << 16)
+    xw = x[:, 0::2] | (x[:, 1::2] << 16)
+    got = run_ptx(qk._PACK_ASM, *counts.unbind(1), *xw.unbind(1))
+    code = idx | (sign << 3)
+    expect = sum(code[:, e] << (4 * e) for e in range(8))
+    assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_ptx_is_the_signed_code_times_the_scale_exactly(dtype):
+    f16 = dtype == torch.float16
+    codes = torch.arange(16)
+    v = nvfp4.e2m1_decode(codes).abs()
+    mag = _join(v[0::2].double(), v[1::2].double(), dtype)
+    sign_src = _join(torch.where(codes[0::2] >= 8, -1.0, 1.0).double(),
+                     torch.where(codes[1::2] >= 8, -1.0, 1.0).double(), dtype)
+    e4m3 = torch.arange(1, 127, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).double()
+    for s in e4m3:
+        s2 = _join(s.reshape(1), s.reshape(1), dtype).expand_as(mag)
+        got = run_ptx(qk._scaled_asm(f16), mag, s2, sign_src)
+        lo, hi = _halves(got, dtype)
+        expect = nvfp4.e2m1_decode(codes).double() * s
+        assert torch.equal(lo, expect[0::2]) and torch.equal(hi, expect[1::2])
+
+
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("four_six", [0, 1])
+def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six):
+    """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads and
+    no local memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = qk._quantize16_kernel
+    ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64)
+    types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
+             "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
+    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig)
+             if a.endswith("_ptr") or a in ("K", "stride_xw", "stride_sw")}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    ptx = k.asm["ptx"]
+    ty = "f16x2" if f16 else "bf16x2"
+    assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2  # 2 blocks a thread
+    assert "ld.global.v4.b32" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
