@@ -234,3 +234,37 @@ def test_product_check_compares_with_the_reference_decode():
     assert wgmma.product_check(reference, cases, torch.device("cpu")) is None
     msg = wgmma.product_check(lambda *a: a[-1].zero_(), cases, torch.device("cpu"))
     assert msg.startswith("self-test error 1.00e+00 at M=5, N=24, K=64")
+
+
+def test_dispatch_takes_wgmma_for_65_to_128_rows_of_w4a16_only(monkeypatch):
+    from fp4ptq.kernels import gemm
+
+    cpu = torch.device("cpu")
+    assert "CUDA only" in gemm.wgmma_unavailable_reason(128, 4096, 4096, torch.bfloat16, cpu)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(wgmma, "ready", lambda device: None)  # its self-test passed on that device
+    monkeypatch.setattr(mma, "ready", lambda device: None)
+    for m in (65, 100, 128):
+        assert gemm._auto_path(m, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
+        assert gemm._auto_path(m, torch.float16, False, 4096, cuda, 4096) == "wgmma"
+        assert gemm._auto_path(m, torch.bfloat16, True, 4096, cuda, 4096) == "cublas"  # W4A4: not its job
+    assert gemm._auto_path(64, torch.bfloat16, False, 4096, cuda, 4096) == "mma"
+    assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"
+    assert gemm._auto_path(128, torch.bfloat16, False, 4160, cuda, 4096) == "cublas"  # K % 128
+    assert "W4A16 only" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.bfloat16, cuda, w4a4=True)
+    assert "bf16 or fp16" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
+    monkeypatch.setattr(gemm, "WGMMA", False)  # FP4PTQ_WGMMA=0
+    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"
+    monkeypatch.setattr(gemm, "WGMMA", True)
+    monkeypatch.setattr(wgmma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
+    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"
+
+
+def test_explicit_wgmma_path_off_cuda_raises_with_the_reason():
+    from fp4ptq.kernels import gemm
+
+    w = nvfp4.quantize(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="CUDA only"):
+        gemm.linear_w4a16(torch.randn(80, 128).bfloat16(), w, path="wgmma")
+

@@ -657,6 +657,10 @@ CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 # (session-5 H200 sweeps, results/mma_h200_sweep*.json and kernels_h200.md: 1.2-1.9x cuBLAS at M = 16,
 # ahead of the tiled GEMM and of dequantize + cuBLAS up to M = 64). 0 turns it off.
 MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
+# The Gluon wgmma kernel (wgmma.py) for W4A16 at 65 <= M <= 128 (session-6 H200 run,
+# results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
+# from M = 256). FP4PTQ_WGMMA=0 turns it off.
+WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
@@ -824,6 +828,24 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     return mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
 
 
+def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                             w4a4: bool = False) -> Optional[str]:
+    """Why the Gluon wgmma kernel (path "wgmma") cannot take this input (None when it can)."""
+    if INTERPRET or device.type != "cuda":
+        return "the wgmma path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
+    if w4a4:
+        return "the wgmma path is W4A16 only"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the wgmma path takes bf16 or fp16 activations, got {dtype}"
+    if m <= 0 or n <= 0 or k % 128:
+        return f"the wgmma path takes K % 128 == 0, got M={m}, N={n}, K={k}"
+    try:
+        from . import wgmma
+    except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
+        return f"Triton's Gluon dialect is not usable here ({exc})"
+    return wgmma.ready(device)  # sm_90, compile and self-test: decided once per device
+
+
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
                n: int = 0) -> str:
     """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
@@ -842,6 +864,9 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return gemv
     if mma_ok():
         return "mma"
+    if WGMMA and device is not None and 65 <= m <= 128 and k % 128 == 0 and not w4a4 \
+            and wgmma_unavailable_reason(m, n, k, dtype, device) is None:
+        return "wgmma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
 
@@ -912,6 +937,20 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
                 raise
             mma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
             path = "gemm"  # the tiled GEMM takes every shape
+    if path == "wgmma":
+        if not auto:
+            reason = wgmma_unavailable_reason(m, n, k, x2.dtype, x2.device, x_enc is not None)
+            if reason is not None:
+                raise ValueError(reason)
+        from . import wgmma
+
+        try:
+            return wgmma.matmul(x2, words, sbits, enc, None, bias_arg if has_bias else None, y)
+        except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
+            if not auto:
+                raise
+            wgmma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
+            return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)  # what M > 64 took before
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
@@ -962,7 +1001,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
                  path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
-    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "gemm",
+    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "wgmma", "gemm",
     "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)

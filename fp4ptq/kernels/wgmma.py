@@ -433,5 +433,12 @@ def ready(device: torch.device) -> Optional[str]:
     return _READY[index]
 
 
-__all__ = ["MAX_M", "MIN_M", "check_config", "config", "k_split", "logical_to_actual", "matmul", "preferred",
+def disable(device: torch.device, reason: str) -> None:
+    """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
+    index = _index(device)
+    _READY[index] = reason
+    warnings.warn(f"fp4ptq: the wgmma path is not used on cuda:{index} any more: {reason}", stacklevel=3)
+
+
+__all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "logical_to_actual", "matmul", "preferred",
            "product_check", "ready", "supports"]
