@@ -310,6 +310,8 @@ def main_gpu():
             ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
             if m <= 64:
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
+            elif m <= 128:
+                ours["ours_w4a16_wgmma"] = lambda x=x: gm.linear_w4a16(x, wq, path="wgmma")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
@@ -402,7 +404,8 @@ def report(path):
     if res.get("provenance"):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
-             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_gemm",
+             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_wgmma",
+             "ours_w4a16_gemm",
              "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
     present = [i for i in impls if any(r["impl"] == i for r in rows)]
