@@ -112,8 +112,10 @@ def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ce = dict(cfg, FENCE=True)
+    ce.setdefault("HAS_XENC", False)
     ce.update(zip(("WL", "SL", "XL", "SC"), wgmma._layouts_wg(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
-    types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "bias_ptr": f"*{dt}",
+    types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": f"*{dt}",
              "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
     fn = wgmma._wgmma_kernel
     sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
@@ -133,6 +135,7 @@ def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
     (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=1, SPLIT=True, HAS_BIAS=False), "bf16"),
     (dict(BN=128, BM=256, BK=64, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=True), "bf16"),
     (dict(BN=64, BM=128, BK=64, WARPS=4, STAGES=2, WAIT=1, SPLIT=False, HAS_BIAS=True), "fp16"),
+    (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=False, HAS_XENC=True), "bf16"),
 ])
 def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
     """The kernel builds for the H200's sm_90: an asynchronous wgmma m64nBMk16 with the
@@ -199,8 +202,6 @@ def test_matmul_refuses_what_it_cannot_take_before_launching():
     y = torch.empty(4, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bf16 or fp16"):
         wgmma.matmul(torch.randn(4, 128), words, sbits, enc, None, None, y)
-    with pytest.raises(ValueError, match="W4A16"):
-        wgmma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, enc, None, y)
     with pytest.raises(ValueError, match="does not tile"):
         wgmma.matmul(torch.randn(4, 128).bfloat16(), words, sbits, enc, None, None, y,
                      cfg=(128, 64, 64, 8, 64, 3, 1, 0))  # an odd number of K steps
@@ -236,7 +237,7 @@ def test_product_check_compares_with_the_reference_decode():
     assert msg.startswith("self-test error 1.00e+00 at M=5, N=24, K=64")
 
 
-def test_dispatch_takes_wgmma_for_65_to_128_rows_of_w4a16_only(monkeypatch):
+def test_dispatch_takes_wgmma_for_65_to_128_rows(monkeypatch):
     from fp4ptq.kernels import gemm
 
     cpu = torch.device("cpu")
@@ -248,11 +249,10 @@ def test_dispatch_takes_wgmma_for_65_to_128_rows_of_w4a16_only(monkeypatch):
     for m in (65, 100, 128):
         assert gemm._auto_path(m, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
         assert gemm._auto_path(m, torch.float16, False, 4096, cuda, 4096) == "wgmma"
-        assert gemm._auto_path(m, torch.bfloat16, True, 4096, cuda, 4096) == "cublas"  # W4A4: not its job
+        assert gemm._auto_path(m, torch.bfloat16, True, 4096, cuda, 4096) == "wgmma"  # W4A4 too
     assert gemm._auto_path(64, torch.bfloat16, False, 4096, cuda, 4096) == "mma"
     assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"
     assert gemm._auto_path(128, torch.bfloat16, False, 4160, cuda, 4096) == "cublas"  # K % 128
-    assert "W4A16 only" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.bfloat16, cuda, w4a4=True)
     assert "bf16 or fp16" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
     monkeypatch.setattr(gemm, "WGMMA", False)  # FP4PTQ_WGMMA=0
     assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"

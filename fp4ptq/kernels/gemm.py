@@ -657,7 +657,7 @@ CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 # (session-5 H200 sweeps, results/mma_h200_sweep*.json and kernels_h200.md: 1.2-1.9x cuBLAS at M = 16,
 # ahead of the tiled GEMM and of dequantize + cuBLAS up to M = 64). 0 turns it off.
 MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
-# The Gluon wgmma kernel (wgmma.py) for W4A16 at 65 <= M <= 128 (session-6 H200 run,
+# The Gluon wgmma kernel (wgmma.py) for 65 <= M <= 128, W4A16 and W4A4 (session-6 H200 run,
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
@@ -828,13 +828,10 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     return mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
 
 
-def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                             w4a4: bool = False) -> Optional[str]:
+def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the Gluon wgmma kernel (path "wgmma") cannot take this input (None when it can)."""
     if INTERPRET or device.type != "cuda":
         return "the wgmma path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
-    if w4a4:
-        return "the wgmma path is W4A16 only"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the wgmma path takes bf16 or fp16 activations, got {dtype}"
     if m <= 0 or n <= 0 or k % 128:
@@ -864,7 +861,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return gemv
     if mma_ok():
         return "mma"
-    if WGMMA and device is not None and 65 <= m <= 128 and k % 128 == 0 and not w4a4 \
+    if WGMMA and device is not None and 65 <= m <= 128 and k % 128 == 0 \
             and wgmma_unavailable_reason(m, n, k, dtype, device) is None:
         return "wgmma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
@@ -939,13 +936,13 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             path = "gemm"  # the tiled GEMM takes every shape
     if path == "wgmma":
         if not auto:
-            reason = wgmma_unavailable_reason(m, n, k, x2.dtype, x2.device, x_enc is not None)
+            reason = wgmma_unavailable_reason(m, n, k, x2.dtype, x2.device)
             if reason is not None:
                 raise ValueError(reason)
         from . import wgmma
 
         try:
-            return wgmma.matmul(x2, words, sbits, enc, None, bias_arg if has_bias else None, y)
+            return wgmma.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
         except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
             if not auto:
                 raise

@@ -209,9 +209,9 @@ def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
 
 @gluon.jit
 def _wgmma_kernel(
-    x_ptr, w_ptr, s_ptr, wenc_ptr, bias_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
-    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr,
     FENCE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr,
 ):
@@ -267,6 +267,8 @@ def _wgmma_kernel(
     async_copy.wait_group(0)
 
     enc = gl.load(wenc_ptr)
+    if HAS_XENC:  # W4A4: the activations are v * scale too; both global scales go in one factor
+        enc = enc * gl.load(xenc_ptr)
     if F16:
         y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)  # * 2^14 / global_enc, one correctly rounded factor
     else:
@@ -317,7 +319,7 @@ MIN_M, MAX_M = 65, 128
 
 def preferred(m: int, n: int, k: int) -> bool:
     """The shape rule for the dispatch: 64 < M <= 128 and K % 128 == 0 (bf16 or
-    fp16 activations, W4A16, after ``ready(device)`` answered None)."""
+    fp16 activations, after ``ready(device)`` answered None)."""
     return MIN_M <= m <= MAX_M and supports(m, n, k)
 
 
@@ -343,15 +345,14 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
            cfg: Optional[tuple] = None) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 128 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
-    global scale), as ``mma.matmul``; ``x_enc`` must be None (W16 activations)."""
+    global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
+    (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None."""
     from .gemm import _gemv_split_finish, _sm_count
 
     m, k = x2.shape
     n = words.shape[0]
     if x2.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the wgmma path takes bf16 or fp16 activations, got {x2.dtype}")
-    if x_enc is not None:
-        raise ValueError("the wgmma path is W4A16 only (x_enc must be None)")
     if not supports(m, n, k):
         raise ValueError(f"the wgmma path takes K % 128 == 0, got M={m}, N={n}, K={k}")
     cfg = cfg or config(m, n, k, _sm_count(x2.device))
@@ -371,9 +372,9 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
     has_bias = bias is not None
     _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
-        x2, words, sbits, enc, bias if has_bias else enc, target,
+        x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks,
-        HAS_BIAS=has_bias, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait), FENCE=_FENCE,
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait), FENCE=_FENCE,
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
