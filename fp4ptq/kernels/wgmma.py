@@ -1,6 +1,7 @@
-"""NVFP4 W4A16 GEMM for M = 64..1024 rows on Hopper's warpgroup MMA (wgmma),
-with the weight decoded in registers, written in Gluon. sm_90 only; bf16 or
-fp16 activations, K % 128 == 0.
+"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 64..1024
+rows on Hopper's warpgroup MMA (wgmma), with the weight decoded in registers,
+written in Gluon. sm_90 only; bf16 or fp16 activations, K % 128 == 0. The
+dispatch uses it for 65 <= M <= 128 (the rows where it was measured ahead).
 
 Swap-AB, as in mma.py: ``y^T = W x^T``. The decoded weight tile is wgmma's
 register A operand (64 weight rows a warpgroup), the activations the
