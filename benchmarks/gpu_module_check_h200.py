@@ -1,7 +1,7 @@
 """``NVFP4Linear`` on the GPU as a model calls it: SmolLM2-135M's layer shapes
 (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536), activations
-``[batch, tokens, K]`` for batch x tokens from 1 to 512 rows, bf16 and fp16, W4A16 and W4A4,
-through the automatic dispatch (which picks gemv6, the Gluon mma kernel, the
+``[batch, tokens, K]`` for batch x tokens from 1 to 4096 rows, bf16 and fp16, W4A16 and W4A4,
+through the automatic dispatch (which picks gemv6, the Gluon mma or wgmma kernel, the
 tiled GEMM or dequantize + cuBLAS by rows) against the PyTorch reference
 backend. Records the path each call took and the relative error (< 1e-2).
 Then fp16 timings on two Llama shapes (M = 1, 2, 16): the dispatch (the Gluon
@@ -27,7 +27,8 @@ def main() -> int:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     shapes = {"q_o": (576, 576), "k_v": (192, 576), "gate_up": (1536, 576), "down": (576, 1536)}
-    batches = [(1, 1), (1, 2), (2, 2), (1, 3), (4, 4), (1, 16), (2, 8), (8, 8), (2, 32), (1, 65), (4, 128)]
+    batches = [(1, 1), (1, 2), (2, 2), (1, 3), (4, 4), (1, 16), (2, 8), (8, 8), (2, 32), (1, 65), (4, 32), (4, 128),
+               (8, 512)]
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "warnings": []}
     worst = 0.0
     with warnings.catch_warnings(record=True) as caught:
