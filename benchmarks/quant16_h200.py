@@ -5,7 +5,7 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/quant16_h200.py   # writes $OUT/quant16_h200.json
 
-Knobs: PHASES (check,time,sweep,w4a4), BUDGET_S.
+Knobs: PHASES (check,time,sweep,sweep2,w4a4), BUDGET_S.
 """
 from __future__ import annotations
 
@@ -158,6 +158,31 @@ if "sweep" in PHASES:
                           flush=True)
         os.environ.pop("FP4PTQ_QUANT16_TILE", None)
         os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+    save()
+
+if "sweep2" in PHASES:  # programs per SM at the mid sizes (W4A4 prefill operands), packed and scaled
+    for m, k in ((8192, 4096), (2048, 4096), (4096, 14336)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        for tile in ((1, 128, 4), (2, 128, 4)):
+            for per_sm in (0, 1, 2, 4, 8, 16):  # 0: the shipped rule
+                if time.time() - T0 > BUDGET:
+                    break
+                os.environ["FP4PTQ_QUANT16_TILE"] = ",".join(map(str, tile))
+                if per_sm:
+                    os.environ["FP4PTQ_QUANT16_PER_SM"] = str(per_sm)
+                else:
+                    os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+                for emit in ("packed", "scaled"):
+                    us = bench_quant(x, amax, None, emit=emit)
+                    res["sweep"].append({"m": m, "k": k, "tile": tile, "per_sm": per_sm, "emit": emit, "us": us})
+                    print(f"sweep2 {m}x{k} {tile} x{per_sm} {emit} {us:.1f}us", flush=True)
+        for emit in ("packed", "scaled"):
+            res["sweep"].append({"m": m, "k": k, "old": True, "emit": emit,
+                                 "us": bench_quant(x, amax, None, True, emit)})
+            print(f"sweep2 {m}x{k} old {emit} {res['sweep'][-1]['us']:.1f}us", flush=True)
+    os.environ.pop("FP4PTQ_QUANT16_TILE", None)
+    os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
     save()
 
 if "w4a4" in PHASES:

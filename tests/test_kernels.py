@@ -129,7 +129,7 @@ def quant16(tk, monkeypatch):
     qk, _ = tk
     monkeypatch.setattr(qk, "QUANT16_MIN_ELEMENTS", 0)
     monkeypatch.setattr(qk, "_tile16", lambda m, k: (8, 4, 4))
-    monkeypatch.setattr(qk, "_programs", lambda device, n_tiles: min(n_tiles, 3))
+    monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: min(n_tiles, 3))
     return qk
 
 

@@ -757,22 +757,25 @@ def _tile16(m: int, k: int) -> tuple[int, int, int]:
     return block_m, blocks_k, 4
 
 
-def _programs(device: torch.device, n_tiles: int) -> int:
-    """Persistent grid size: about 8 tiles a program (each program first builds its own table, which
-    costs about as much as a few tiles), between 2 and 8 programs per SM (H200 sweep in
-    benchmarks/NOTES.md); ``FP4PTQ_QUANT16_PER_SM`` fixes the programs per SM, for sweeps. Under the
-    interpreter 64, which only sets how many tiles a program loops over."""
+def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_each: int = 8) -> int:
+    """Persistent grid size: about ``tiles_each`` tiles a program (each program first builds its own
+    table, which costs about as much as a few tiles), between 2 and ``max_per_sm`` programs per SM (8 and
+    8 for codes; 4 and 16 for the scaled W4A4 operand, whose stores are four times the bytes: H200 sweeps
+    in benchmarks/NOTES.md);
+    ``FP4PTQ_QUANT16_PER_SM`` fixes the programs per SM, for sweeps. Under the interpreter 64, which
+    only sets how many tiles a program loops over."""
     if device.type != "cuda":
         return min(n_tiles, 64)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     forced = os.environ.get("FP4PTQ_QUANT16_PER_SM")
     if forced:
         return min(n_tiles, int(forced) * sms)
-    return min(n_tiles, max(2 * sms, min(8 * sms, n_tiles // 8)))
+    return min(n_tiles, max(2 * sms, min(max_per_sm * sms, n_tiles // tiles_each)))
 
 
 # Below this many elements the fp32-compare kernel (no table, one tile a program) is as fast or
-# faster (H200: 2.9 vs 3.2 us at 16 x 4096, 3.1 vs 5.1 us at 128 x 4096, 8.4 vs 8.5 us at 1024 x 4096).
+# faster (H200: 2.9 vs 3.2 us at 16 x 4096, 3.1 vs 5.1 us at 128 x 4096, 8.4 vs 8.5 us at 1024 x 4096);
+# twice as many for the scaled operand (8.3 vs 9.1 us at 1024 x 4096; 13.9 vs 12.9 at 2048 x 4096).
 QUANT16_MIN_ELEMENTS = 1 << 22
 
 
@@ -829,7 +832,8 @@ def launch_quantize(
     else:
         scaled = torch.empty(m, k, dtype=out_dtype or x.dtype, device=dev)
     words = None
-    if QUANT16 and m * k >= QUANT16_MIN_ELEMENTS and x.dtype in (torch.bfloat16, torch.float16) \
+    big = m * k >= QUANT16_MIN_ELEMENTS * (1 if emit == "packed" else 2)
+    if QUANT16 and big and x.dtype in (torch.bfloat16, torch.float16) \
             and (scaled is None or scaled.dtype == x.dtype):
         words = _words(x)
         if words is None:  # an odd row stride or offset: the int32 view needs pairs
@@ -841,7 +845,7 @@ def launch_quantize(
         block_m, blocks_k, warps = _tile16(m, k)
         n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
         n_tiles = triton.cdiv(m, block_m) * n_ktiles
-        grid = (_programs(dev, n_tiles),)
+        grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
         table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
         _quantize16_kernel[grid](
             words, amax, table, enc,
