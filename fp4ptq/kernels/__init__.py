@@ -8,14 +8,18 @@ reference otherwise. Asking for a backend that cannot run raises
 before the kernel modules are imported) ``backend="triton"`` runs the same
 kernels on CPU tensors: that is how the tests check them without a GPU.
 
-Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``),
-``gemm.py`` (the W4A16/W4A4 launcher and its paths: GEMVs for M <= 2 (packed
-bf16x2 with the activation row held in registers for bf16, fp32 for fp16), a
-tiled GEMM, dequantize + cuBLAS for M >= 65; W4A4 runs the same paths after
-quantizing the activations), ``mma.py`` (Gluon: the weight decoded in
-registers straight into ``mma.sync``; on CUDA it takes 3 <= M <= 64 with
-bf16/fp16 activations, M = 2 on large layers, once its self-test passed on
-the device; the tiled GEMM covers what it cannot take) and ``dot_scaled.py``
+Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``:
+bf16/fp16 inputs of 4M elements and more two elements a register with packed
+compares, everything else with fp32 compares), ``gemm.py`` (the W4A16/W4A4
+launcher and its paths: GEMVs for M <= 2 (packed bf16x2 with the activation
+row held in registers for bf16, fp32 for fp16), a tiled GEMM, dequantize +
+cuBLAS for M >= 129; W4A4 runs the same paths after quantizing the
+activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
+``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2
+on large layers, once its self-test passed on the device; the tiled GEMM
+covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
+Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 once its
+self-test passed; dequantize + cuBLAS otherwise) and ``dot_scaled.py``
 (NVFP4 x NVFP4 on the FP4 tensor cores of sm_100 and later through
 ``tl.dot_scaled``, used for W4A4 there after a self-test on the device).
 """
