@@ -221,3 +221,23 @@ def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six):
     assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2  # 2 blocks a thread
     assert "ld.global.v4.b32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
+    """bf16 needs sm_90 (packed bf16 set/add/mul), fp16 sm_80 (max.f16x2); never on ROCm or the
+    CPU outside the interpreter; the fp32-compare kernel takes those inputs instead."""
+    monkeypatch.setattr(qk, "INTERPRET", False)
+    cuda = torch.device("cuda", 0)
+    caps = {"cap": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps["cap"])
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert qk.quant16_supported(cuda, torch.bfloat16) and qk.quant16_supported(cuda, torch.float16)
+    caps["cap"] = (8, 9)
+    assert not qk.quant16_supported(cuda, torch.bfloat16) and qk.quant16_supported(cuda, torch.float16)
+    caps["cap"] = (7, 5)
+    assert not qk.quant16_supported(cuda, torch.float16)
+    caps["cap"] = (10, 0)
+    assert qk.quant16_supported(cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert not qk.quant16_supported(cuda, torch.bfloat16)
+    assert not qk.quant16_supported(torch.device("cpu"), torch.bfloat16)

@@ -785,6 +785,18 @@ QUANT16 = os.environ.get("FP4PTQ_QUANT16", "1") != "0"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def quant16_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the 16-bit kernel's PTX runs on ``device``: packed bf16 compares, adds and products
+    need sm_90 (``set``/``add``/``mul`` on ``bf16x2``), the fp16 ones sm_80 (``max.f16x2``); NVIDIA
+    only (inline PTX). Under the interpreter its Triton twin runs anywhere."""
+    if INTERPRET:
+        return True
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    need = (9, 0) if dtype == torch.bfloat16 else (8, 0)
+    return tuple(torch.cuda.get_device_capability(device)) >= need
+
+
 def _words(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The int32 view of a 2-D 16-bit ``x`` (pairs of elements), or None where there is none."""
     if x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
@@ -808,9 +820,10 @@ def launch_quantize(
     emit="scaled": returns ``(v * block_scale [M, K] in out_dtype (default x's),
     global_enc)`` for the W4A4 GEMM.
 
-    bf16 / fp16 inputs go to the 16-bit kernel (two elements a register, thresholds from a table
-    built by a one-program kernel); fp32 inputs, and a scaled output in another dtype, to the fp32 one.
-    Both give the reference's codes and scales.
+    Large bf16 / fp16 inputs go to the 16-bit kernel (two elements a register, thresholds from a
+    per-program table; bf16 on sm_90 and later, fp16 on sm_80 and later); fp32 and small inputs, a
+    scaled output in another dtype and older GPUs to the fp32-compare one. Both give the reference's
+    codes and scales.
     """
     if emit not in EMITS:
         raise ValueError(f"emit must be one of {EMITS}, got {emit!r}")
@@ -834,7 +847,7 @@ def launch_quantize(
     words = None
     big = m * k >= QUANT16_MIN_ELEMENTS * (1 if emit == "packed" else 2)
     if QUANT16 and big and x.dtype in (torch.bfloat16, torch.float16) \
-            and (scaled is None or scaled.dtype == x.dtype):
+            and (scaled is None or scaled.dtype == x.dtype) and quant16_supported(dev, x.dtype):
         words = _words(x)
         if words is None:  # an odd row stride or offset: the int32 view needs pairs
             x = x.contiguous()
