@@ -149,6 +149,7 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "INTERPRET", False)
     monkeypatch.setattr(mma, "ready", lambda device: None)  # its self-test passed on that device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H200
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
     assert gemm._auto_path(16, torch.bfloat16, True, 4096, cuda) == "mma"
@@ -169,6 +170,35 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+
+
+def test_bf16_stays_off_the_mma_path_before_sm90_and_fp16_takes_it(monkeypatch):
+    """The bf16 decode multiplies with mul.rn.bf16x2 (PTX: sm_90 and later). On an sm_80 / sm_89
+    GPU bf16 activations take the tiled GEMM without a warning, fp16 ones still take the kernel,
+    and its self-test there runs the fp16 case only."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(mma, "ready", lambda device: None)
+    for cap in ((8, 0), (8, 9)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert "sm_90" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
+        assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+        assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tested = []
+
+    def fake_matmul(x, words, sbits, enc, x_enc, bias, y):  # the product the kernel would give
+        tested.append(x.dtype)
+        w = nvfp4.NVFP4Tensor(words.view(torch.uint8), sbits.view(torch.float8_e4m3fn), enc.reshape(()),
+                              (words.shape[0], x.shape[1]), torch.float32)
+        return y.copy_(x.float() @ w.dequantize(torch.float32).T)
+
+    monkeypatch.setattr(mma, "matmul", fake_matmul)
+    assert mma._self_test(torch.device("cpu")) is None and tested == [torch.float16]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    tested.clear()
+    assert mma._self_test(torch.device("cpu")) is None
+    assert tested == [torch.bfloat16, torch.bfloat16, torch.float16]
 
 
 def test_explicit_mma_path_off_cuda_raises_with_the_reason():

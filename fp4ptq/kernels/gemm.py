@@ -825,7 +825,8 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
         from . import mma
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
         return f"Triton's Gluon dialect is not usable here ({exc})"
-    return mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
+    reason = mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
+    return reason if reason is not None else mma.dtype_reason(mma._index(device), dtype)
 
 
 def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:

@@ -371,15 +371,25 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 _READY: dict = {}
 
 
+def dtype_reason(index: int, dtype: torch.dtype) -> Optional[str]:
+    """Why this GPU cannot decode for ``dtype`` activations (None when it can): the bf16 decode
+    multiplies with ``mul.rn.bf16x2``, which PTX has from sm_90; fp16's ``mul.rn.f16x2`` runs on
+    every GPU with ``mma.sync``."""
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(index) < (9, 0):
+        return "the mma path's bf16 decode (mul.rn.bf16x2) needs sm_90; bf16 takes the tiled GEMM here"
+    return None
+
+
 def _self_test(device: torch.device) -> Optional[str]:
     """Small products against the reference decode: a partial row tile with
-    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16."""
+    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16
+    (the bf16 ones only where the bf16 decode runs)."""
     from .. import nvfp4
     from .gemm import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k, dtype in ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16),
-                           (13, 200, 1024, torch.float16)):
+    cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16))
+    for m, n, k, dtype in [c for c in cases if dtype_reason(_index(device), c[3]) is None]:
         w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
         x = torch.randn(m, k, device=device, generator=g).to(dtype)
         _, _, words, sbits, enc = _weight_views(w)
@@ -440,4 +450,4 @@ def disable(device: torch.device, reason: str) -> None:
                   stacklevel=3)
 
 
-__all__ = ["MAX_M", "config", "disable", "k_split", "matmul", "ready", "supports"]
+__all__ = ["MAX_M", "config", "disable", "dtype_reason", "k_split", "matmul", "ready", "supports"]
