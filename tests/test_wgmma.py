@@ -173,6 +173,7 @@ def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
     capability["value"] = (9, 0)
     assert "sm_90" in wgmma.ready(torch.device("cuda", 0)) and not calls  # decided once for cuda:0
     assert "sm_90" in wgmma.ready(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert "graph capture" in wgmma.ready(torch.device("cuda", 1)) and not calls and 1 not in wgmma._READY
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

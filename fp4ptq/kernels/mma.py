@@ -61,11 +61,19 @@ MAG_MASK_F16 = 0x0E000E00
 SIGN_MASK = 0x80008000
 
 
-def _shift(dst: str, amount: int) -> str:
+def _shift(dst: str, amount: int, src: str = "$4") -> str:
     if amount == 0:
-        return f"mov.b32 {dst}, $4;"
+        return f"mov.b32 {dst}, {src};"
     op = "shl.b32" if amount > 0 else "shr.u32"
-    return f"{op} {dst}, $4, {abs(amount)};"
+    return f"{op} {dst}, {src}, {abs(amount)};"
+
+
+def decode_line(dst: str, word: str, scale: str, shifts: tuple, mag_mask: int, mul: str) -> str:
+    """PTX of one decoded register ``dst``: the magnitude and sign of two codes of ``word`` moved
+    by ``shifts`` = (magnitude shift, sign shift) into a 16-bit-float pair, times ``scale``."""
+    mag, sign = shifts
+    return (f"{_shift('a', mag, word)} {_shift('b', sign, word)} and.b32 a, a, {mag_mask:#010x}; "
+            f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; {mul} {dst}, a, {scale};")
 
 
 def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
@@ -73,12 +81,8 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
     copies are one register), $12 the scale pair (bf16x2 ``scale * 2^100`` or
     f16x2 ``scale``); the product is exact in both (``v * scale * 2^-26`` /
     ``v * scale * 2^-14``, the latter down to fp16's smallest subnormal)."""
-    lines = ["{", ".reg .b32 a, b;"]
-    for p, (mag, sign) in enumerate(shifts):
-        lines.append(f"{_shift('a', mag)} {_shift('b', sign)} and.b32 a, a, {mag_mask:#010x}; "
-                     f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; {mul} ${p}, a, $12;")
-    lines.append("}")
-    return "\n".join(lines)
+    lines = [decode_line(f"${p}", "$4", "$12", shifts[p], mag_mask, mul) for p in range(4)]
+    return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
 
 
 _DECODE = gl.constexpr(_decode_asm())
@@ -193,6 +197,29 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit
+def store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
+                 HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr):
+    """The epilogue of this module's and wgmma.py's kernels: the fp32 accumulator ``[BN, BM]`` (weight
+    rows ``no``, activation rows ``mo``) times ``2^26 / global_enc`` (``2^14`` for fp16 activations;
+    W4A4: also divided by the activations' global scale), one correctly rounded factor; then fp32
+    partials ``[splits, M, N]`` for gemm._gemv_split_finish to sum in order, or + bias into y."""
+    enc = gl.load(wenc_ptr)
+    if HAS_XENC:
+        enc = enc * gl.load(xenc_ptr)
+    if x_ptr.dtype.element_ty == gl.float16:
+        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
+    else:
+        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
+    ok = (no < N)[:, None] & (mo < M)[None, :]
+    if SPLIT:
+        gl.store(y_ptr + (pid_k * M + mo[None, :]).to(gl.int64) * N + no[:, None], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
+        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
 def _mma_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
@@ -268,22 +295,10 @@ def _mma_kernel(
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
 
-    enc = gl.load(wenc_ptr)
-    if HAS_XENC:
-        enc = enc * gl.load(xenc_ptr)
-    if x_ptr.dtype.element_ty == gl.float16:
-        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)  # * 2^14 / global_enc, one correctly rounded factor
-    else:
-        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    ok = (no < N)[:, None] & (mo < M)[None, :]
-    if SPLIT:  # fp32 partials [splits, M, N], summed in order by gemm._gemv_split_finish
-        gl.store(y_ptr + (pid_k * M + mo[None, :]).to(gl.int64) * N + no[:, None], y, mask=ok)
-    else:
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
-        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], y.to(y_ptr.dtype.element_ty), mask=ok)
+    store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
+                 HAS_BIAS, HAS_XENC, SPLIT)
 
 
 MAX_M = 64
@@ -380,26 +395,31 @@ def dtype_reason(index: int, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def _self_test(device: torch.device) -> Optional[str]:
-    """Small products against the reference decode: a partial row tile with
-    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16
-    (the bf16 ones only where the bf16 decode runs)."""
+def product_check(fn, cases, device: torch.device) -> Optional[str]:
+    """Run ``fn(x, words, sbits, enc, None, None, y)`` (a ``matmul`` of this module's or
+    wgmma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
+    the reference decode: None, or the first relative error over 1e-2 (NaN included)."""
     from .. import nvfp4
     from .gemm import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
-    cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16))
-    for m, n, k, dtype in [c for c in cases if dtype_reason(_index(device), c[3]) is None]:
+    for m, n, k, dtype in cases:
         w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
         x = torch.randn(m, k, device=device, generator=g).to(dtype)
-        _, _, words, sbits, enc = _weight_views(w)
-        y = torch.full((m, n), float("nan"), device=device, dtype=dtype)
-        matmul(x, words, sbits, enc, None, None, y)
+        y = fn(x, *_weight_views(w)[2:], None, None, torch.full((m, n), float("nan"), device=device, dtype=dtype))
         ref = x.float() @ w.dequantize(torch.float32).T
         err = float((y.float() - ref).norm() / ref.norm())
-        if not err < 1e-2:  # NaN included
+        if not err < 1e-2:
             return f"self-test error {err:.2e} at M={m}, N={n}, K={k} ({dtype}) against the reference decode"
     return None
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """Small products against the reference decode: a partial row tile with
+    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16
+    (the bf16 ones only where the bf16 decode runs)."""
+    cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16))
+    return product_check(matmul, [c for c in cases if dtype_reason(_index(device), c[3]) is None], device)
 
 
 def _index(device: torch.device) -> int:
@@ -417,37 +437,48 @@ def _device_reason(index: int) -> Optional[str]:
     return None
 
 
+def decide_once(cache: dict, index: int, unsupported, self_test, label: str) -> Optional[str]:
+    """The once-per-device answer of a Gluon kernel's guard (this module's and wgmma.py's):
+    ``unsupported()`` (why the GPU cannot run it, or None), else its ``self_test`` there, kept in
+    ``cache``; a failed self-test warns once. Inside a CUDA graph capture nothing is decided
+    (the self-test reads its result on the host): that call is refused, the next eager one tests."""
+    if index in cache:
+        return cache[index]
+    reason = unsupported()
+    if reason is not None:
+        cache[index] = reason
+        return reason
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
+    try:
+        with torch.cuda.device(index):  # Triton launches on the current device
+            cache[index] = self_test(torch.device("cuda", index))
+    except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon lowers this differently: fall back
+        cache[index] = f"did not compile or run: {exc!r}"[:300]
+    if cache[index] is not None:
+        warnings.warn(f"fp4ptq: {label} is not used on cuda:{index}: {cache[index]}", stacklevel=3)
+    return cache[index]
+
+
+def stop_using(cache: dict, index: int, reason: str, label: str) -> None:
+    """Record that a Gluon kernel is not to be used on a device any more (a launch failed)."""
+    cache[index] = reason
+    warnings.warn(f"fp4ptq: {label} is not used on cuda:{index} any more: {reason}", stacklevel=4)
+
+
 def ready(device: torch.device) -> Optional[str]:
     """None when ``device`` can run the kernel and it compiled and passed its
     self-test there (decided once per device), otherwise why not (with a
-    warning, once, when the self-test failed)."""
+    warning, once, when the self-test failed). The tiled GEMM takes this
+    call when the first use is inside a CUDA graph capture."""
     index = _index(device)
-    if index not in _READY:
-        unsupported = _device_reason(index)
-        if unsupported is not None:
-            _READY[index] = unsupported
-            return unsupported
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            # the self-test reads its result on the host, which a CUDA graph capture forbids: this
-            # call (and so the captured graph) takes the tiled GEMM; the test runs at the next eager call
-            return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
-        try:
-            with torch.cuda.device(index):  # Triton launches on the current device
-                _READY[index] = _self_test(torch.device("cuda", index))
-        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon lowers this differently: fall back
-            _READY[index] = f"did not compile or run: {exc!r}"[:300]
-        if _READY[index] is not None:
-            warnings.warn(f"fp4ptq: the Gluon tensor-core path is not used on cuda:{index}: {_READY[index]}",
-                          stacklevel=2)
-    return _READY[index]
+    return decide_once(_READY, index, lambda: _device_reason(index), _self_test, "the Gluon tensor-core path")
 
 
 def disable(device: torch.device, reason: str) -> None:
     """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
-    index = _index(device)
-    _READY[index] = reason
-    warnings.warn(f"fp4ptq: the Gluon tensor-core path is not used on cuda:{index} any more: {reason}",
-                  stacklevel=3)
+    stop_using(_READY, _index(device), reason, "the Gluon tensor-core path")
 
 
-__all__ = ["MAX_M", "config", "disable", "dtype_reason", "k_split", "matmul", "ready", "supports"]
+__all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "matmul",
+           "product_check", "ready", "stop_using", "store_output", "supports"]

@@ -46,7 +46,6 @@ tests/test_wgmma.py; GPU checks and timings: benchmarks/wgmma_h200.py
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -57,8 +56,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, SIGN_MASK, _bits, _copy, _index,
-                  _layouts, _shift, _sync)
+from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
+                  _index, _layouts, _sync, decide_once, decode_line, product_check, stop_using,
+                  store_output)
 
 
 def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
@@ -68,21 +68,13 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
     $6 (inputs $4-$11 are the 8 word copies), their scale pairs $12 and $13.
     Register (row, r0) gets codes (r0, r0 + 4) of its row's word by mma.py's
     shifts for p = r0, times the scale pair (an exact product)."""
-    lines = ["{", ".reg .b32 a, b;"]
-    for q in range(4):
-        r0, row8 = divmod(q, 2)
-        mag, sign = shifts[r0]
-        word, scale = f"${4 + 2 * row8}", f"${12 + row8}"
-        lines.append(f"{_shift('a', mag).replace('$4', word)} {_shift('b', sign).replace('$4', word)} "
-                     f"and.b32 a, a, {mag_mask:#010x}; and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; "
-                     f"{mul} ${q}, a, {scale};")
-    lines.append("}")
-    return "\n".join(lines)
+    lines = [decode_line(f"${q}", f"${4 + 2 * (q % 2)}", f"${12 + q % 2}", shifts[q // 2], mag_mask, mul)
+             for q in range(4)]  # q = 2 r0 + (row g + 8)
+    return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
 
 
 _DECODE = gl.constexpr(_decode_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
-_DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 
 
 def logical_to_actual(bk: int) -> list:
@@ -267,22 +259,10 @@ def _wgmma_kernel(
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
-    enc = gl.load(wenc_ptr)
-    if HAS_XENC:  # W4A4: the activations are v * scale too; both global scales go in one factor
-        enc = enc * gl.load(xenc_ptr)
-    if F16:
-        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)  # * 2^14 / global_enc, one correctly rounded factor
-    else:
-        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)  # * 2^26 / global_enc
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     mo = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    ok = (no < N)[:, None] & (mo < M)[None, :]
-    if SPLIT:  # fp32 partials [splits, M, N], summed in order by gemm._gemv_split_finish
-        gl.store(y_ptr + (pid_k * M + mo[None, :]).to(gl.int64) * N + no[:, None], y, mask=ok)
-    else:
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
-        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], y.to(y_ptr.dtype.element_ty), mask=ok)
+    store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
+                 HAS_BIAS, HAS_XENC, SPLIT)
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
@@ -388,29 +368,16 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 _READY: dict = {}
 
 
-def product_check(fn, cases, device: torch.device) -> Optional[str]:
-    """Run ``fn(x, words, sbits, enc, None, None, y)`` (a ``matmul`` of this module's or
-    mma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
-    the reference decode: None, or the first relative error over 1e-2 (NaN included)."""
-    from .. import nvfp4
-    from .gemm import _weight_views
-
-    g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k, dtype in cases:
-        w = nvfp4.quantize(torch.randn(n, k, device=device, generator=g))
-        x = torch.randn(m, k, device=device, generator=g).to(dtype)
-        y = fn(x, *_weight_views(w)[2:], None, None, torch.full((m, n), float("nan"), device=device, dtype=dtype))
-        ref = x.float() @ w.dequantize(torch.float32).T
-        err = float((y.float() - ref).norm() / ref.norm())
-        if not err < 1e-2:
-            return f"self-test error {err:.2e} at M={m}, N={n}, K={k} ({dtype}) against the reference decode"
-    return None
-
-
 def _self_test(device: torch.device) -> Optional[str]:
     """Partial row and M tiles, split K, both K steps, fp16."""
     return product_check(matmul, ((70, 200, 2048, torch.bfloat16), (300, 136, 1152, torch.bfloat16),
                                   (100, 200, 1024, torch.float16)), device)
+
+
+def _device_reason(index: int) -> Optional[str]:
+    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
+        return "the wgmma path needs an sm_90 (Hopper) NVIDIA GPU"
+    return None
 
 
 def ready(device: torch.device) -> Optional[str]:
@@ -418,28 +385,12 @@ def ready(device: torch.device) -> Optional[str]:
     passed its self-test (decided once per device), otherwise why not (with a
     warning, once, when the self-test failed)."""
     index = _index(device)
-    if index in _READY:
-        return _READY[index]
-    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
-        _READY[index] = "the wgmma path needs an sm_90 (Hopper) NVIDIA GPU"
-    elif torch.cuda.is_current_stream_capturing():
-        return "not self-tested yet (first use inside a CUDA graph capture; warm up eagerly first)"
-    else:
-        try:
-            with torch.cuda.device(index):  # Triton launches on the current device
-                _READY[index] = _self_test(torch.device("cuda", index))
-        except Exception as exc:  # noqa: BLE001 - a Triton whose Gluon lowers this differently: fall back
-            _READY[index] = f"did not compile or run: {exc!r}"[:300]
-        if _READY[index] is not None:
-            warnings.warn(f"fp4ptq: the wgmma path is not used on cuda:{index}: {_READY[index]}", stacklevel=2)
-    return _READY[index]
+    return decide_once(_READY, index, lambda: _device_reason(index), _self_test, "the wgmma path")
 
 
 def disable(device: torch.device, reason: str) -> None:
     """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
-    index = _index(device)
-    _READY[index] = reason
-    warnings.warn(f"fp4ptq: the wgmma path is not used on cuda:{index} any more: {reason}", stacklevel=3)
+    stop_using(_READY, _index(device), reason, "the wgmma path")
 
 
 __all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "logical_to_actual", "matmul", "preferred",
