@@ -111,18 +111,18 @@ def _pairs(p: torch.Tensor) -> torch.Tensor:
 
 
 def _thresholds(step: float, dtype) -> list[torch.Tensor]:
-    """The table row's 16-bit thresholds for one step, duplicated in both halves."""
-    fp32 = [qk.e2m1_threshold_reference(step, i) for i in range(7)]
+    """A table row's seven 16-bit thresholds for one step, found from the reference itself: the
+    smallest non-negative 16-bit value whose E2M1 index of ``fl(x / step)`` reaches i + 1 (+inf
+    when none does), duplicated in both halves of a word."""
+    p = _all_patterns(dtype)
+    p = p[p < 0x8000]  # non-negative, in increasing value
+    vals = torch.where(p >= 32768, p - 65536, p).to(torch.int16).view(dtype).float()
+    index = nvfp4.e2m1_code(vals / torch.tensor(step, dtype=torch.float32)).long() & 7
+    inf = 0x7C00 if dtype == torch.float16 else 0x7F80
     out = []
-    for t in fp32:
-        if dtype == torch.bfloat16:
-            tb = torch.tensor([t], dtype=torch.float32).view(torch.int32).item()
-            h = min(((tb + 0xFFFF) >> 16), 0x7F80)
-        else:
-            h16 = torch.tensor([t], dtype=torch.float32).to(torch.float16)
-            h = h16.view(torch.int16).item() & 0xFFFF
-            if h16.float().item() < t:
-                h += 1
+    for i in range(7):
+        reach = (index >= i + 1).nonzero()
+        h = int(p[reach[0, 0]]) if reach.numel() else inf
         out.append(torch.tensor(h | (h << 16), dtype=torch.int64))
     return out
 

@@ -97,28 +97,6 @@ def e2m1_thresholds(step):
             tl.where(zero, inf, t4), tl.where(zero, inf, t5), tl.where(zero, inf, t6))
 
 
-# (midpoint displaced by half an fp32 ulp, strict) of e2m1_thresholds, for the Python twin below
-_THRESHOLD_CONSTANTS = (
-    (0.250000014901161193847656250, True), (0.749999970197677612304687500, False),
-    (1.250000059604644775390625000, True), (1.749999940395355224609375000, False),
-    (2.500000119209289550781250000, True), (3.499999880790710449218750000, False),
-    (5.000000238418579101562500000, True),
-)
-
-
-def e2m1_threshold_reference(step: float, i: int) -> float:
-    """Threshold ``T_i`` of ``e2m1_thresholds`` for one fp32 ``step`` (a Python float), in Python:
-    the smallest fp32 ``a`` with ``a > c_i * step`` (or ``>=``), the product exact in fp64."""
-    if step <= 0:
-        return float("inf")
-    c, strict = _THRESHOLD_CONSTANTS[i]
-    b = c * step
-    a = torch.tensor(b, dtype=torch.float64).float()
-    if (a.item() <= b) if strict else (a.item() < b):
-        a = torch.nextafter(a, torch.tensor(float("inf")))
-    return a.item()
-
-
 @triton.jit
 def e2m1_index(ax, t0, t1, t2, t3, t4, t5, t6):
     """E2M1 magnitude index (0..7) of ``ax = |x|`` (``[BM, NB, n]``) against the
