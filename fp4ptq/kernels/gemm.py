@@ -855,6 +855,15 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     def mma_ok() -> bool:  # asked only where mma would be picked (its first use runs the self-test)
         return device is not None and MMA_MAX_M >= m and mma_unavailable_reason(m, k, dtype, device) is None
 
+    def wgmma_ok() -> bool:  # its measured rows (wgmma.preferred) first: the guard runs the self-test
+        if not WGMMA or device is None or device.type != "cuda" or INTERPRET:
+            return False
+        try:
+            from . import wgmma
+        except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
+            return False
+        return wgmma.preferred(m, n, k) and wgmma_unavailable_reason(m, n, k, dtype, device) is None
+
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
         if ((m == 2 and n * k > 4096 * 4096) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
@@ -862,8 +871,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return gemv
     if mma_ok():
         return "mma"
-    if WGMMA and device is not None and 65 <= m <= 128 and k % 128 == 0 \
-            and wgmma_unavailable_reason(m, n, k, dtype, device) is None:
+    if wgmma_ok():
         return "wgmma"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
