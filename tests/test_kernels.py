@@ -221,20 +221,26 @@ def test_w4a16_matches_dequantized_matmul(tk, dtype, path, shapes):
 
 @interpreted
 @pytest.mark.parametrize("m,n,k", [(1, 40, 80), (2, 33, 48), (1, 17, 1040), (1, 40, 768), (2, 37, 1792)])
-def test_gemv6_matches_dequantized_matmul(tk, m, n, k):
+def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
     """Resident-x GEMV, one segment (K masked to a power of two) and split K
     (768 = 3 x 256, 1792 = 7 x 256 through the fp32 workspace), with a bias and
-    x not 8-byte aligned (a view one element in: copied first)."""
+    x not 8-byte aligned (a view one element in: copied first); loading each row
+    tile one step ahead (PREFETCH) gives the same bits."""
     _, gm = tk
     wq = _weight(n, k, seed=n)
     big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
     bias = torch.randn(n).bfloat16()
     for x in (big[:, :k].contiguous(), big[:, 1:]):
         ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-        y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
-        assert y.data_ptr() == out.data_ptr()
-        assert _rel(y, ref) < 1e-2, (m, n, k)
+        got = []
+        for prefetch in (False, True):
+            monkeypatch.setattr(gm, "GEMV6_PREFETCH", prefetch)
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
+            assert y.data_ptr() == out.data_ptr()
+            assert _rel(y, ref) < 1e-2, (m, n, k, prefetch)
+            got.append(y)
+        assert torch.equal(got[0], got[1])
     assert gm._gemv6_config(m, n, k)[3] in ((256,) if k in (768, 1792) else (k,))
     with pytest.raises(nvfp4.NVFP4Error, match="bf16"):
         gm.linear_w4a16(x.half(), wq, path="gemv6")

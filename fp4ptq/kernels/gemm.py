@@ -59,6 +59,11 @@ from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
+try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: launches stay plain (pdl_supported says no)
+    gdc_launch_dependents = gdc_wait = None
+
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
 FP16_MAG = tl.constexpr(0x0E000E00)    # fp16 exponent/mantissa bits 9..11 of both halves
 BF16_MAG = tl.constexpr(0x01C001C0)    # bf16 bits 6..8 of both halves
@@ -426,6 +431,7 @@ def _gemv_resident_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -440,6 +446,13 @@ def _gemv_resident_kernel(
     # SPLIT: K is cut into segments of KBP blocks (grid axis 2, no masking);
     # each program writes its scaled partial sums to the fp32 workspace at
     # ``y_ptr`` ([segments, M, N]) and ``_gemv_split_finish`` adds them up.
+    # PDL (launched as a programmatic dependent): the next kernel may launch at
+    # once, and this one reads x and writes y only after the previous kernel
+    # has finished (gdc_wait); the weights, which no kernel writes, may be read
+    # before. PREFETCH: each tile's weights are loaded one step ahead (the
+    # first tile's before that wait).
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -453,6 +466,11 @@ def _gemv_resident_kernel(
         ab = tl.arange(0, KBP)
     b_ok = ab < kb
     bidx = tl.where(b_ok, ab, 0)
+    ar = tl.arange(0, ROWS)
+    if PREFETCH:
+        blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(pid, ROWS, ar, N), kb, 0, ab, EVEN_K)
+    if PDL:
+        gdc_wait()
     xrow = x_ptr + row * stride_xm
     if QUANT_X:
         offs = bidx[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
@@ -471,23 +489,26 @@ def _gemv_resident_kernel(
         p00, p01, p02, p03 = _x_pairs_from_words(xw, bidx, b_ok, 0)
         p10, p11, p12, p13 = _x_pairs_from_words(xw, bidx, b_ok, 1)
         factor = _output_factor(wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
-    ar = tl.arange(0, ROWS)
     for t in range(pid, tl.cdiv(N, ROWS), nprog):
         n = t * ROWS + ar
         n_ok = n < N
         n = tl.where(n_ok, n, 0).to(tl.int64)
-        blk, sb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
-        w = blk.to(tl.int32)  # codes 0..7 of each block
+        if PREFETCH:  # this tile's blocks came one step ago; the next tile's go in flight now
+            cur, csb = blk, sb
+            blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(t + nprog, ROWS, ar, N), kb, 0, ab, EVEN_K)
+        else:
+            cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
+        w = cur.to(tl.int32)  # codes 0..7 of each block
         part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
         part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01[None, :], part, EMULATE)
         part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02[None, :], part, EMULATE)
         part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03[None, :], part, EMULATE)
-        w = (blk >> 32).to(tl.int32)  # codes 8..15
+        w = (cur >> 32).to(tl.int32)  # codes 8..15
         part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10[None, :], part, EMULATE)
         part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11[None, :], part, EMULATE)
         part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12[None, :], part, EMULATE)
         part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13[None, :], part, EMULATE)
-        acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+        acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
         y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
         if SPLIT:
             tl.store(y_ptr + (seg * M + row) * N + n, y, mask=n_ok)
@@ -498,9 +519,20 @@ def _gemv_resident_kernel(
 
 
 @triton.jit
+def _tile_rows(t, ROWS: tl.constexpr, ar, N):
+    """Rows of row tile ``t`` as int64, those past N (and every row of a tile past
+    the last) replaced by row 0: loaded, never stored."""
+    n = t * ROWS + ar
+    return tl.where(n < N, n, 0).to(tl.int64)
+
+
+@triton.jit
 def _gemv_split_finish(part_ptr, bias_ptr, y_ptr, M, N, SEGMENTS, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``y[m, n] = sum_s part[s, m, n] (+ bias)`` in fp32, in segment order, cast to y's dtype."""
+    if PDL:  # launched as a programmatic dependent of the kernel that wrote the partial sums
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -666,6 +698,25 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels a
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
 # subnormal scales checked in runs 3-4); never under the interpreter, which flushes bf16 subnormals.
 BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "1") == "1" and not INTERPRET
+# Programmatic dependent launch for the GEMV (sm_90+): FP4PTQ_PDL=0 launches plainly.
+PDL = os.environ.get("FP4PTQ_PDL", "1") == "1"
+# gemv6 loads each row tile one loop step ahead (FP4PTQ_GEMV6_PREFETCH=1).
+GEMV6_PREFETCH = os.environ.get("FP4PTQ_GEMV6_PREFETCH", "0") == "1"
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents
+    (``griddepcontrol``: NVIDIA sm_90 and later, a Triton that has it); never
+    under the interpreter."""
+    if not PDL or INTERPRET or gdc_wait is None or device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options of a kernel with a ``PDL`` constexpr: PDL and launch_pdl
+    when ``pdl_supported``, else nothing (the kernel's default: plain)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
 
 
 def _gemm_config(m: int, n: int, k: int):
@@ -772,7 +823,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
-                  enable_fp_fusion=not quant)
+                  enable_fp_fusion=not quant, PREFETCH=GEMV6_PREFETCH, **pdl_launch(x2.device))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     sms = _sm_count(x2.device)
@@ -786,7 +837,8 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     if split:
         block = 1024
         _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias_arg, y, m, n, segments, y.stride(0),
-                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+                                                       **pdl_launch(x2.device))
     return y
 
 
