@@ -1,7 +1,9 @@
-"""gemv6 (M = 1) with the row tile loaded one step ahead (PREFETCH) and as a programmatic dependent
-(PDL), swept over (ROWS, warps, programs per SM, K segment) on the six Llama shapes, then the best
-configs re-timed in interleaved rounds against the shipped rule, with cuBLAS bf16 and tinygemm int4
-in the same run.
+"""gemv6 (M = 1) with and without the row tile loaded one step ahead (PREFETCH), swept over (ROWS,
+warps, programs per SM, K segment) on the four large Llama shapes, then the best configs re-timed in
+interleaved rounds against the shipped rule, with cuBLAS bf16 and tinygemm int4 in the same run; and
+mma.py at M = 16 in interleaved rounds. (The committed results/gemv6_prefetch_h200.json was measured
+at commit 26c4bb3, where every variant also ran as a programmatic dependent launch ("+pdl" keys);
+that launch mode was removed after this run: see NOTES, session 7.)
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/gemv6_prefetch_h200.py   # $OUT/gemv6_prefetch_h200.json
 """
@@ -33,9 +35,8 @@ def save():
         json.dump(res, f, indent=1)
 
 
-def run_with(cfg, prefetch, pdl, fn):
-    gm._gemv6_config = (lambda m, n, k: cfg) if cfg is not None else shipped_config
-    gm.GEMV6_PREFETCH, gm.PDL = prefetch, pdl
+def run_with(cfg, prefetch, fn):
+    gm._gemv6_config = (lambda m, n, k: tuple(cfg) + (prefetch,)) if cfg is not None else shipped_config
     try:
         return fn()
     finally:
@@ -65,16 +66,16 @@ for si, name in enumerate(SWEPT):
     w, wq, x, byt = data[name]
     n, k = w.shape
     stop = T0 + BUDGET * 0.6 * (si + 1) / len(SWEPT)
-    ref = run_with(None, False, False, lambda: gm.linear_w4a16(x, wq, path="gemv6"))
+    ref = run_with(None, False, lambda: gm.linear_w4a16(x, wq, path="gemv6"))
     for seg, rows, warps, per_sm, prefetch in itertools.product(segments(k), (2, 4, 8), (1, 2, 4), (4, 8, 16),
                                                                 (False, True)):
         if (seg // 16) // (32 * warps) < 1 or time.time() > stop:
             continue
         cfg = (rows, warps, per_sm, seg)
         try:
-            y = run_with(cfg, prefetch, False, lambda: gm.linear_w4a16(x, wq, path="gemv6"))
+            y = run_with(cfg, prefetch, lambda: gm.linear_w4a16(x, wq, path="gemv6"))
             ok = float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
-            us = run_with(cfg, prefetch, False, lambda: peers.bench(lambda: gm.linear_w4a16(x, wq, path="gemv6"))) * 1e3
+            us = run_with(cfg, prefetch, lambda: peers.bench(lambda: gm.linear_w4a16(x, wq, path="gemv6"))) * 1e3
         except Exception as exc:  # noqa: BLE001 - a config that does not build
             res["sweep"].append({"shape": name, "cfg": cfg, "prefetch": prefetch, "error": repr(exc)[:200]})
             continue
@@ -84,7 +85,7 @@ for si, name in enumerate(SWEPT):
     print(name, "best", [(r["cfg"], r["prefetch"], round(r["us"], 2), r["ok"]) for r in best], flush=True)
     save()
 
-# interleaved rounds: the shipped rule and the 3 best swept configs, PDL off / on, with the peers
+# interleaved rounds: the shipped rule and the 3 best swept configs, with the peers
 for name, (w, wq, x, byt) in data.items():
     n, k = w.shape
     rows_ = sorted([r for r in res["sweep"] if r["shape"] == name and "us" in r and r["ok"]], key=lambda r: r["us"])
@@ -96,10 +97,8 @@ for name, (w, wq, x, byt) in data.items():
         times.setdefault("cublas", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
         times.setdefault("tinygemm", []).append(peers.bench(lambda: tg(x)) * 1e3)
         for label, cfg, pf in cands:
-            for pdl in (False, True):
-                key = f"{label}{'+pdl' if pdl else ''}"
-                times.setdefault(key, []).append(
-                    run_with(cfg, pf, pdl, lambda: peers.bench(lambda: gm.linear_w4a16(x, wq, path="gemv6"))) * 1e3)
+            times.setdefault(label, []).append(
+                run_with(cfg, pf, lambda: peers.bench(lambda: gm.linear_w4a16(x, wq, path="gemv6"))) * 1e3)
     row = {"shape": name, "bytes": byt, "median_us": {a: statistics.median(b) for a, b in times.items()},
            "all_us": times}
     row["pct_copy"] = {a: 100 * byt / (b * 1e-6) / 1e12 / res["copy_TBps"] for a, b in row["median_us"].items()}
@@ -110,7 +109,7 @@ for name, (w, wq, x, byt) in data.items():
 print("total s", round(time.time() - T0, 1))
 save()
 
-# M = 16 through mma.py, plain and as a programmatic dependent, interleaved rounds
+# M = 16 through mma.py, interleaved rounds
 res["m16"] = []
 for name, (w, wq, _, _) in data.items():
     n, k = w.shape
@@ -118,10 +117,7 @@ for name, (w, wq, _, _) in data.items():
     times = {}
     for _ in range(ROUNDS):
         times.setdefault("cublas", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
-        for pdl in (False, True):
-            gm.PDL = pdl
-            times.setdefault("mma+pdl" if pdl else "mma", []).append(
-                peers.bench(lambda: gm.linear_w4a16(x, wq, path="mma")) * 1e3)
+        times.setdefault("mma", []).append(peers.bench(lambda: gm.linear_w4a16(x, wq, path="mma")) * 1e3)
     row = {"shape": name, "median_us": {a: statistics.median(b) for a, b in times.items()}, "all_us": times}
     res["m16"].append(row)
     print(json.dumps({"shape": name, "m": 16, **{a: round(b, 2) for a, b in row["median_us"].items()}}), flush=True)

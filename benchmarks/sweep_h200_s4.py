@@ -116,7 +116,7 @@ def main() -> int:
             for cfg in cfgs:
                 if left() < 0.5 * budget:
                     break
-                gm._gemv6_config = lambda *a, c=cfg[:4]: c
+                gm._gemv6_config = lambda *a, c=cfg[:4] + (False,): c  # no prefetch (before session 7)
                 gm.GEMV6_MAXNREG = (cfg[4] or None) if ROUND == 4 else None
                 try:
                     y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -132,7 +132,7 @@ def main() -> int:
             if ok:
                 best = min(ok, key=lambda c: ok[c]["us"])
                 row["gemv6_best_cfg"], row["gemv6_best_us"] = best, ok[best]["us"]
-                cfg = tuple(json.loads(best.replace("(", "[").replace(")", "]")))[:4]
+                cfg = tuple(json.loads(best.replace("(", "[").replace(")", "]")))[:4] + (False,)
                 best6[name] = cfg
                 gm._gemv6_config = lambda *a, c=cfg: c
                 y2 = torch.full((2, n), float("nan"), device="cuda", dtype=torch.bfloat16)

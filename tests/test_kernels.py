@@ -230,17 +230,19 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
     wq = _weight(n, k, seed=n)
     big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
     bias = torch.randn(n).bfloat16()
+    rule = gm._gemv6_config
     for x in (big[:, :k].contiguous(), big[:, 1:]):
         ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
         got = []
         for prefetch in (False, True):
-            monkeypatch.setattr(gm, "GEMV6_PREFETCH", prefetch)
+            monkeypatch.setattr(gm, "_gemv6_config", lambda m, n, k, p=prefetch: rule(m, n, k)[:4] + (p,))
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
             y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
             assert y.data_ptr() == out.data_ptr()
             assert _rel(y, ref) < 1e-2, (m, n, k, prefetch)
             got.append(y)
         assert torch.equal(got[0], got[1])
+    monkeypatch.setattr(gm, "_gemv6_config", rule)
     assert gm._gemv6_config(m, n, k)[3] in ((256,) if k in (768, 1792) else (k,))
     with pytest.raises(nvfp4.NVFP4Error, match="bf16"):
         gm.linear_w4a16(x.half(), wq, path="gemv6")
@@ -268,6 +270,18 @@ def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypat
 
 
 @interpreted
+def test_gemv6_prefetches_on_large_layers_only(tk):
+    """The swept rule: layers of 64M weights and more load each row tile a step ahead, with
+    K segments up to 8192 (70B gate_up in one); smaller layers keep the plain loop."""
+    _, gm = tk
+    assert gm._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
+    assert gm._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
+    assert gm._gemv6_config(1, 8192, 28672) == (4, 4, 16, 4096, True)    # 70B down: 7 segments
+    assert gm._gemv6_config(1, 4096, 14336)[3:] == (2048, False)         # 8B down
+    assert gm._gemv6_config(1, 6144, 4096)[3:] == (4096, False)          # 8B qkv
+
+
+@interpreted
 def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
     """Programs per SM above what fits at once round down to whole waves of
     resident programs (a partial second wave ran 1.5x slower on the H200)."""
@@ -276,7 +290,7 @@ def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
     kern = gm._gemv_resident_kernel
     monkeypatch.setattr(gm, "_gemv_resident_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (grids.append(grid) or kern[grid])})())
-    monkeypatch.setattr(gm, "_gemv6_config", lambda m, n, k: (1, 1, 8, k))
+    monkeypatch.setattr(gm, "_gemv6_config", lambda m, n, k: (1, 1, 8, k, False))
     monkeypatch.setattr(gm, "_sm_count", lambda device: 2)
     monkeypatch.setattr(gm, "_resident_programs", lambda *a: 3)
     wq = _weight(40, 64, seed=3)

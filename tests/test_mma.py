@@ -102,7 +102,6 @@ def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
     dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
     dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
     dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=False, HAS_BIAS=True, HAS_XENC=False, DT="fp16"),
-    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=False, PDL=True),
 ])
 def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     """The shipped kernel builds for the H200's sm_90: bf16/fp16 mma.sync m16n8k16 fed from
@@ -113,7 +112,6 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ce = dict(cfg)
-    ce.setdefault("PDL", False)
     dt = ce.pop("DT", "bf16")
     ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
     types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
@@ -133,14 +131,6 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{ty}\.{ty}\.f32", ptx)
     assert ("cp.async" in ptx) == (cfg["STAGES"] >= 2)
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # a programmatic dependent: launch the next kernel early, wait before the first activation copy
-    pdl = re.findall(r"griddepcontrol\.(\w+)|(cp\.async\.\S+)", ptx)
-    if cfg.get("PDL"):
-        order = [g or "copy" for g, _ in pdl]
-        assert order[0] == "launch_dependents" and order.count("wait") == 1
-        assert order.index("wait") > order.index("copy")  # prologue weight copies before the wait
-    else:
-        assert "griddepcontrol" not in ptx
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),

@@ -59,11 +59,6 @@ from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
-try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - an older Triton: launches stay plain (pdl_supported says no)
-    gdc_launch_dependents = gdc_wait = None
-
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
 FP16_MAG = tl.constexpr(0x0E000E00)    # fp16 exponent/mantissa bits 9..11 of both halves
 BF16_MAG = tl.constexpr(0x01C001C0)    # bf16 bits 6..8 of both halves
@@ -431,7 +426,7 @@ def _gemv_resident_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -446,13 +441,9 @@ def _gemv_resident_kernel(
     # SPLIT: K is cut into segments of KBP blocks (grid axis 2, no masking);
     # each program writes its scaled partial sums to the fp32 workspace at
     # ``y_ptr`` ([segments, M, N]) and ``_gemv_split_finish`` adds them up.
-    # PDL (launched as a programmatic dependent): the next kernel may launch at
-    # once, and this one reads x and writes y only after the previous kernel
-    # has finished (gdc_wait); the weights, which no kernel writes, may be read
-    # before. PREFETCH: each tile's weights are loaded one step ahead (the
-    # first tile's before that wait).
-    if PDL:
-        gdc_launch_dependents()
+    # PREFETCH: each row tile's weights are loaded one loop step ahead (the
+    # first before x is loaded and packed), so a tile's loads are in flight
+    # while the previous tile is decoded (the H200 sweep: large layers only).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -469,8 +460,6 @@ def _gemv_resident_kernel(
     ar = tl.arange(0, ROWS)
     if PREFETCH:
         blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(pid, ROWS, ar, N), kb, 0, ab, EVEN_K)
-    if PDL:
-        gdc_wait()
     xrow = x_ptr + row * stride_xm
     if QUANT_X:
         offs = bidx[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
@@ -528,11 +517,8 @@ def _tile_rows(t, ROWS: tl.constexpr, ar, N):
 
 @triton.jit
 def _gemv_split_finish(part_ptr, bias_ptr, y_ptr, M, N, SEGMENTS, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK: tl.constexpr):
     """``y[m, n] = sum_s part[s, m, n] (+ bias)`` in fp32, in segment order, cast to y's dtype."""
-    if PDL:  # launched as a programmatic dependent of the kernel that wrote the partial sums
-        gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -698,25 +684,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels a
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
 # subnormal scales checked in runs 3-4); never under the interpreter, which flushes bf16 subnormals.
 BF16_DIRECT = os.environ.get("FP4PTQ_BF16_DIRECT", "1") == "1" and not INTERPRET
-# Programmatic dependent launch for the GEMV (sm_90+): FP4PTQ_PDL=0 launches plainly.
-PDL = os.environ.get("FP4PTQ_PDL", "1") == "1"
-# gemv6 loads each row tile one loop step ahead (FP4PTQ_GEMV6_PREFETCH=1).
-GEMV6_PREFETCH = os.environ.get("FP4PTQ_GEMV6_PREFETCH", "0") == "1"
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may be launched as programmatic dependents
-    (``griddepcontrol``: NVIDIA sm_90 and later, a Triton that has it); never
-    under the interpreter."""
-    if not PDL or INTERPRET or gdc_wait is None or device.type != "cuda" or torch.version.hip:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_launch(device: torch.device) -> dict:
-    """Launch options of a kernel with a ``PDL`` constexpr: PDL and launch_pdl
-    when ``pdl_supported``, else nothing (the kernel's default: plain)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {}
 
 
 def _gemm_config(m: int, n: int, k: int):
@@ -748,19 +715,30 @@ def _gemv5_config(m: int, n: int, k: int):
 
 
 def _gemv6_config(m: int, n: int, k: int):
-    """(ROWS, num_warps, programs per SM, K segment) of the resident-x GEMV, the
-    rule the session-4 H200 sweeps picked (results/sweep_h200_s4_round*.json):
-    K in segments of its largest power-of-two divisor up to 4096 (K = 8192 runs
-    as two), warps so that each thread holds four blocks of a row
-    (segment / 2048), 8 rows a step for single-segment layers narrower than
-    16384 and 4 otherwise, 8 programs per SM (16 when K is split), which
-    ``_gemv6`` cuts to whole waves of what the compiled kernel fits on an SM."""
+    """(ROWS, num_warps, programs per SM, K segment, PREFETCH) of the resident-x
+    GEMV; ``_gemv6`` cuts the programs to whole waves of what the compiled
+    kernel fits on an SM.
+
+    Layers of 64M weights and more (the session-7 H200 sweep,
+    results/gemv6_prefetch_h200.json: 8B.gate_up 24.2 -> 22.6 us, 70B.gate_up
+    80.0 -> 77.2, 70B.down 50.4 -> 46.9): each row tile loaded one step ahead,
+    4 rows on 4 warps, K in segments of its largest power-of-two divisor up to
+    8192 (70B.gate_up runs as one segment), 16 programs per SM when K is split,
+    else 32768 / segment up to 8. Smaller layers keep the session-4 rule
+    (results/sweep_h200_s4_round*.json), where the prefetch did not pay
+    (8B.down, 8B.qkv, 8B.o): segments up to 4096, warps so that each thread
+    holds four blocks of a row (segment / 2048), 8 rows a step for
+    single-segment layers narrower than 16384 and 4 otherwise, 8 programs per
+    SM (16 when K is split)."""
+    large = n * k >= 1 << 26
     seg = k & -k  # the largest power of two dividing K
-    seg = k if seg < 256 else min(seg, 4096)  # K % 256 != 0: one segment, masked to a power of two
+    seg = k if seg < 256 else min(seg, 8192 if large else 4096)  # K % 256 != 0: one segment, masked
     kbp = triton.next_power_of_2(max(1, seg // 16))
     split = k // seg > 1
+    if large:
+        return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
     rows = 4 if split or n >= 16384 else 8
-    return rows, max(1, min(8, kbp // 128)), 16 if split else 8, seg
+    return rows, max(1, min(8, kbp // 128)), 16 if split else 8, seg, False
 
 
 def _sm_count(device: torch.device) -> int:
@@ -807,7 +785,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
            four_six=None):
     """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
     K in segments (config) through an fp32 workspace and a summing pass."""
-    rows, warps, per_sm, seg = _gemv6_config(m, n, k)
+    rows, warps, per_sm, seg, prefetch = _gemv6_config(m, n, k)
     if k % seg or seg % 16:
         raise ValueError(f"gemv6: K segment {seg} does not divide K={k} into whole blocks")
     segments = k // seg
@@ -823,7 +801,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
-                  enable_fp_fusion=not quant, PREFETCH=GEMV6_PREFETCH, **pdl_launch(x2.device))
+                  enable_fp_fusion=not quant, PREFETCH=prefetch)
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     sms = _sm_count(x2.device)
@@ -837,8 +815,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     if split:
         block = 1024
         _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias_arg, y, m, n, segments, y.stride(0),
-                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-                                                       **pdl_launch(x2.device))
+                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
     return y
 
 

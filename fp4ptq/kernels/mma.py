@@ -153,19 +153,6 @@ else:  # pragma: no cover - the H200's Triton 3.6
 
 
 @gluon.jit
-def gdc_wait():
-    """griddepcontrol.wait: block until the kernel this one depends on has finished and its
-    writes are visible (a no-op when the launch was not a programmatic dependent one)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
-
-
-@gluon.jit
-def gdc_launch_dependents():
-    """griddepcontrol.launch_dependents: the next kernel may launch once every program got here."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
-
-
-@gluon.jit
 def _spread8(v):
     """``[..]`` -> ``[.., 2, 2, 2]``: eight register copies (one per code of a word)."""
     v = gl.join(v, v)
@@ -239,13 +226,7 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    PDL: gl.constexpr = False,
 ):
-    # PDL (launched as a programmatic dependent, gemm.pdl_launch): the next kernel may launch at once;
-    # the first steps' weights are copied before waiting for the previous kernel, the activations
-    # (which it may have written) and every store after.
-    if PDL:
-        gdc_launch_dependents()
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
     KW = KW8 * 8  # words a row (K / 8)
@@ -283,10 +264,6 @@ def _mma_kernel(
             kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
             _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
             _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
-        if PDL:
-            gdc_wait()
-        for i in gl.static_range(STAGES - 1):  # group 0 also holds the later prologue weights: still in order
-            kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
             _copy(x_ring.index(i), x_ptr + kc + xc_off)
             async_copy.commit_group()
         for i in range(K_SPLIT // BK):
@@ -306,8 +283,6 @@ def _mma_kernel(
             acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
     elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
-        if PDL:
-            gdc_wait()
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
         for k0 in range(k_lo, k_last + BK, BK):
             wn, sn, xn = _load_step(w_ptr, s_ptr, x_ptr, gl.minimum(k0 + BK, k_last), w_off, s_off, x_off)
@@ -315,8 +290,6 @@ def _mma_kernel(
             acc = mma_v2(a, b, acc)
             wp, sb, xp = wn, sn, xn
     else:
-        if PDL:
-            gdc_wait()
         for k0 in range(k_lo, k_last + BK, BK):
             wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off)
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
@@ -376,7 +349,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
     its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
-    from .gemm import _gemv_split_finish, _sm_count, pdl_launch
+    from .gemm import _gemv_split_finish, _sm_count
 
     m, k = x2.shape
     n = words.shape[0]
@@ -403,12 +376,10 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
-        **pdl_launch(x2.device),
     )
     if splits > 1:
         _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
-                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4,
-                                                      **pdl_launch(x2.device))
+                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
     return y
 
 
