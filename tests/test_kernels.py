@@ -455,30 +455,6 @@ def test_w4a4_fp16_does_not_overflow_before_the_global_scales(tk, path):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dequantize_and_cublas_in_row_slices_writes_every_column_once(tk, monkeypatch, dtype):
-    """CUBLAS_CHUNK_ROWS: the weight decoded a row slice at a time into one buffer, each
-    slice's GEMM writing its columns of y (a last, shorter slice; a bias; W4A16 and W4A4)
-    gives what the whole-weight decode gives, every output written."""
-    _, gm = tk
-    m, n, k = 5, 40, 64
-    wq = _weight(n, k, seed=21)
-    x = _activations(m, k, dtype, seed=21)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(21)).to(dtype)
-    amax = x.float().abs().amax()
-    outs = {}
-    for chunk in (0, 16):
-        monkeypatch.setattr(gm, "CUBLAS_CHUNK_ROWS", chunk)
-        y16 = gm.linear_w4a16(x, wq, bias, path="cublas", out=torch.full((m, n), float("nan"), dtype=dtype))
-        y4 = gm.linear_w4a4(x, wq, amax, bias, path="cublas", out=torch.full((m, n), float("nan"), dtype=dtype))
-        outs[chunk] = (y16, y4)
-        assert _rel(y16, x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
-        assert _rel(y4, kernels.linear_w4a4(x, wq, amax, bias, backend="reference")) < 1e-2
-    for whole, sliced in zip(outs[0], outs[16]):
-        torch.testing.assert_close(sliced, whole, rtol=0, atol=0)
-
-
-@interpreted
 def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkeypatch):
     x = _activations(4, 64, torch.bfloat16, seed=7)
     q = kernels.quantize(x, "mse", backend="triton")

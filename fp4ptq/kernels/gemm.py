@@ -671,8 +671,6 @@ GEMV6_MAXNREG = int(os.environ.get("FP4PTQ_GEMV6_MAXNREG", 0)) or None
 # (session-4 H200 sweep: 1.1-1.5x slower than the quantize kernel + gemv6 on every shape).
 W4A4_FUSED = os.environ.get("FP4PTQ_W4A4_FUSED", "0") == "1"
 CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
-# dequantize + cuBLAS decodes the weight this many rows at a time (0: all at once)
-CUBLAS_CHUNK_ROWS = int(os.environ.get("FP4PTQ_CUBLAS_CHUNK_ROWS", 0))
 # M in (GEMV_MAX_M, MMA_MAX_M] with bf16/fp16 activations: the Gluon tensor-core kernel (mma.py) on CUDA
 # (session-5 H200 sweeps, results/mma_h200_sweep*.json and kernels_h200.md: 1.2-1.9x cuBLAS at M = 16,
 # ahead of the tiled GEMM and of dequantize + cuBLAS up to M = 64). 0 turns it off.
@@ -835,46 +833,13 @@ def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = F
     if unit_global:
         enc = torch.ones_like(enc)
     out = torch.empty(n, k, dtype=dtype, device=words.device)
-    _dequantize_rows(words, sbits, enc, out)
-    return out
-
-
-def _dequantize_rows(words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor, out: torch.Tensor) -> None:
-    """Decode the packed rows ``words [n, K/8]`` / ``sbits [n, K/16]`` (row slices of a
-    weight) into ``out [n, K]`` (bf16/fp16/fp32, contiguous), as ``dequantize``."""
-    n, k = out.shape
-    dtype = out.dtype
     block_n, block_b = 32, min(16, triton.next_power_of_2(max(1, k // 16)))
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // 16, block_b))
     if n and k:
         _dequant_kernel[grid](words, sbits, enc, out.view(torch.int16) if dtype == torch.bfloat16 else out, n, k,
                               BLOCK_N=block_n, BLOCK_B=block_b, OUT_BF16=dtype == torch.bfloat16, num_warps=4,
                               enable_fp_fusion=False)
-
-
-def _dequantized_mm(x2: torch.Tensor, weight: NVFP4Tensor, y: torch.Tensor, dtype: torch.dtype,
-                    unit_global: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = x2 @ dequant(weight).T (+ bias)`` through cuBLAS on the weight decoded to
-    ``dtype``; with CUBLAS_CHUNK_ROWS the weight is decoded a slice of that many rows at
-    a time into one reused buffer (small enough to stay in L2 for the GEMM that
-    reads it), each slice's GEMM writing its columns of y."""
-    n, k, words, sbits, enc = _weight_views(weight)
-    if unit_global:
-        enc = torch.ones_like(enc)
-    chunk = CUBLAS_CHUNK_ROWS
-    if not chunk or n <= chunk:
-        w = torch.empty(n, k, dtype=dtype, device=words.device)
-        _dequantize_rows(words, sbits, enc, w)
-        return torch.addmm(bias, x2, w.t(), out=y) if bias is not None else torch.mm(x2, w.t(), out=y)
-    buf = torch.empty(chunk, k, dtype=dtype, device=words.device)
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        _dequantize_rows(words[a:b], sbits[a:b], enc, buf[:b - a])
-        if bias is not None:
-            torch.addmm(bias[a:b], x2, buf[:b - a].t(), out=y[:, a:b])
-        else:
-            torch.mm(x2, buf[:b - a].t(), out=y[:, a:b])
-    return y
+    return out
 
 
 def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
@@ -970,7 +935,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     if path == "cublas":
         if x_enc is None:
             # exactly the reference: F.linear on the bit-identical dequantized weight
-            return _dequantized_mm(x2, weight, y, x2.dtype, bias=bias)
+            w = dequantize(weight, x2.dtype)
+            return torch.addmm(bias, x2, w.t(), out=y) if has_bias else torch.mm(x2, w.t(), out=y)
         # W4A4: exact v*scale operands, fp32 accumulation in cuBLAS; the bf16/fp16
         # product is then scaled by 1/(global_w * global_x): one extra rounding.
         factor = torch.reciprocal(enc * x_enc.reshape(1))  # fp32, computed in fp32
@@ -978,11 +944,11 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             # v * scale reaches 6 * 448 on both sides, so one product can pass fp16's 65504 before
             # the global scales divide it: multiply in bf16 (the operands are exact there too),
             # scale in fp32, round once into fp16 (the bf16 product adds a 2^-9 rounding)
-            prod = torch.empty(m, n, dtype=torch.bfloat16, device=y.device)
-            _dequantized_mm(x2.to(torch.bfloat16), weight, prod, torch.bfloat16, unit_global=True)
-            y.copy_(prod * factor)
+            w = dequantize(weight, torch.bfloat16, unit_global=True)
+            y.copy_(torch.mm(x2.to(torch.bfloat16), w.t()) * factor)
         else:
-            _dequantized_mm(x2, weight, y, x2.dtype, unit_global=True)
+            w = dequantize(weight, x2.dtype, unit_global=True)
+            torch.mm(x2, w.t(), out=y)
             y.mul_(factor)
         return y.add_(bias) if has_bias else y
     if path == "dot_scaled":  # FP4 tensor cores (sm_100+); bf16/fp16 x here, NVFP4 x from linear_w4a4
