@@ -222,8 +222,8 @@ def test_w4a16_matches_dequantized_matmul(tk, dtype, path, shapes):
 @interpreted
 @pytest.mark.parametrize("m,n,k", [(1, 40, 80), (2, 33, 48), (1, 17, 1040), (1, 40, 768), (2, 37, 1792)])
 def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
-    """Resident-x GEMV, one segment (K masked to a power of two) and split K
-    (768 = 3 x 256, 1792 = 7 x 256 through the fp32 workspace), with a bias and
+    """Resident-x GEMV, one segment (K masked to a power of two: 1040, 1792 = 112 of
+    128 blocks) and split K (768 = 3 x 256 through the fp32 workspace), with a bias and
     x not 8-byte aligned (a view one element in: copied first); loading each row
     tile one step ahead (PREFETCH) gives the same bits."""
     _, gm = tk
@@ -243,7 +243,7 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
             got.append(y)
         assert torch.equal(got[0], got[1])
     monkeypatch.setattr(gm, "_gemv6_config", rule)
-    assert gm._gemv6_config(m, n, k)[3] in ((256,) if k in (768, 1792) else (k,))
+    assert gm._gemv6_config(m, n, k)[3] == (256 if k == 768 else k)
     with pytest.raises(nvfp4.NVFP4Error, match="bf16"):
         gm.linear_w4a16(x.half(), wq, path="gemv6")
 
@@ -267,6 +267,42 @@ def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypat
         monkeypatch.setattr(gm, "W4A4_FUSED", True)
         ref = kernels.linear_w4a4(x.half().float(), wq, amax, four_six=four_six, backend="reference")
         assert _rel(gm.linear_w4a4(x.half(), wq, amax, four_six=four_six, path="gemv6"), ref) < 1e-2
+
+
+@interpreted
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv6_split_k_with_a_masked_last_segment(tk, monkeypatch, prefetch):
+    """K = 272 in segments of 256 blocks' worth: the second program of a row holds 1 of its
+    16 blocks (masked x and weights), summed through the workspace like an even split."""
+    _, gm = tk
+    m, n, k = 2, 19, 272
+    monkeypatch.setattr(gm, "_gemv6_config", lambda m_, n_, k_: (4, 1, 8, 256, prefetch))
+    wq = _weight(n, k, seed=5)
+    x = _activations(m, k, torch.bfloat16, seed=5)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
+    assert _rel(y, x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
+
+
+def test_gemv6_segments_keep_lanes_busy_without_cutting_rows_short():
+    """K a multiple of 2048: its power-of-two divisor up to the cap (the tuned Llama shapes);
+    any other K: the fewest segments with 85% of the lanes busy (Qwen2-7B's K = 3584 in one
+    masked segment, 18944 in 5 of 4096, not 37 of 512; a long K never in one segment)."""
+    from fp4ptq.kernels import gemm as gm
+
+    assert gm._gemv6_segment(14336, 4096) == 2048 and gm._gemv6_segment(28672, 8192) == 4096
+    assert gm._gemv6_segment(8192, 8192) == 8192 and gm._gemv6_segment(8192, 4096) == 4096
+    assert gm._gemv6_segment(3584, 4096) == 3584       # one segment, 224 of 256 blocks
+    assert gm._gemv6_segment(18944, 8192) == 4096      # 4 x 4096 + 2560
+    assert gm._gemv6_segment(11008, 4096) == 4096      # Llama-2-7B down: 2 x 4096 + 2816
+    assert gm._gemv6_segment(2560, 4096) == 512        # one segment would idle 37% of the lanes
+    assert gm._gemv6_segment(1040, 4096) == 1040       # one masked segment
+    assert gm._gemv6_segment(29568, 8192) == 8192      # Qwen2-72B down (K % 256 != 0): 3 x 8192 + 4992
+    for k in (80, 768, 1040, 1792, 2560, 3584, 5120, 11008, 13824, 18944, 29568, 12304):
+        for cap in (4096, 8192):
+            seg = gm._gemv6_segment(k, cap)
+            assert (seg == k and k <= cap) or (seg & (seg - 1) == 0 and 256 <= seg <= cap)
 
 
 @interpreted

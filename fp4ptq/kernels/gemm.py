@@ -438,7 +438,8 @@ def _gemv_resident_kernel(
     # limit was L1 (ncu: 90.7% L1/TEX, x re-read per step and per row tile).
     # QUANT_X (W4A4): x is quantized here under the static amax at
     # ``xenc_ptr`` (the quantize kernel's code, the same bits) before packing.
-    # SPLIT: K is cut into segments of KBP blocks (grid axis 2, no masking);
+    # SPLIT: K is cut into segments of KBP blocks (grid axis 2; the last one
+    # masked where K ends unless EVEN_K);
     # each program writes its scaled partial sums to the fp32 workspace at
     # ``y_ptr`` ([segments, M, N]) and ``_gemv_split_finish`` adds them up.
     # PREFETCH: each row tile's weights are loaded one loop step ahead (the
@@ -731,14 +732,39 @@ def _gemv6_config(m: int, n: int, k: int):
     single-segment layers narrower than 16384 and 4 otherwise, 8 programs per
     SM (16 when K is split)."""
     large = n * k >= 1 << 26
-    seg = k & -k  # the largest power of two dividing K
-    seg = k if seg < 256 else min(seg, 8192 if large else 4096)  # K % 256 != 0: one segment, masked
+    seg = _gemv6_segment(k, 8192 if large else 4096)
     kbp = triton.next_power_of_2(max(1, seg // 16))
-    split = k // seg > 1
+    split = k > seg
     if large:
         return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
     rows = 4 if split or n >= 16384 else 8
     return rows, max(1, min(8, kbp // 128)), 16 if split else 8, seg, False
+
+
+def _gemv6_segment(k: int, cap: int) -> int:
+    """The K segment of gemv6: ``cdiv(K, segment)`` programs share a row, each holding
+    its segment of x (a power-of-two number of blocks; the last segment, or a single
+    one, masked where K ends). K a multiple of 2048: its largest power-of-two divisor
+    up to ``cap``, no masking (the tuned Llama shapes). Any other K: of one masked
+    segment (K <= cap), power-of-two segments from 2048 to ``cap`` with a masked last
+    one, and an even split by K's power-of-two divisor (256 or more), the fewest
+    segments that keep 85% of the lanes busy (else the most busy lanes): an even split
+    by a small divisor cuts a row into many short segments (Qwen2-7B's K = 18944 into
+    37 of 512), and one segment of a long K would not fit in registers."""
+    div = k & -k  # the largest power of two dividing K
+    if div >= 2048:
+        return min(div, cap)
+    options = [(1, 16 * triton.next_power_of_2(max(1, k // 16)))] if k <= cap else []
+    seg = 2048
+    while seg <= cap:
+        options.append((triton.cdiv(k, seg), seg))
+        seg *= 2
+    if div >= 256:
+        options.append((k // div, div))
+    busy = [(count, size, k / (count * size)) for count, size in options]
+    good = [o for o in busy if o[2] >= 0.85]
+    count, size, _ = min(good) if good else max(busy, key=lambda o: (o[2], -o[0]))
+    return k if count == 1 else size
 
 
 def _sm_count(device: torch.device) -> int:
@@ -786,9 +812,9 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
     K in segments (config) through an fp32 workspace and a summing pass."""
     rows, warps, per_sm, seg, prefetch = _gemv6_config(m, n, k)
-    if k % seg or seg % 16:
-        raise ValueError(f"gemv6: K segment {seg} does not divide K={k} into whole blocks")
-    segments = k // seg
+    if seg % 16:
+        raise ValueError(f"gemv6: K segment {seg} is not a whole number of 16-blocks")
+    segments = triton.cdiv(k, seg)
     kbp = triton.next_power_of_2(max(1, seg // 16))
     if segments > 1 and kbp != seg // 16:
         raise ValueError(f"gemv6: a K segment ({seg}) must be a power-of-two number of blocks")
