@@ -134,12 +134,26 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),
-                                 (8192, 28672), (1000, 1088), (320, 64), (128256, 4096)])
+                                 (8192, 28672), (1000, 1088), (320, 64), (128256, 4096), (8192, 29568),
+                                 (3584, 3584), (3584, 18944), (960, 576)])
 @pytest.mark.parametrize("m", [3, 8, 13, 16, 17, 32, 64])
 def test_config_tiles_every_supported_shape(m, n, k):
+    """Whole K steps a program (the last K range may be shorter), and at least one program an
+    SM wherever K allows (Qwen2-72B's K = 29568 does not halve into whole steps: it had 64)."""
     bn, bm, bk, warps, k_split, stages = mma.config(m, n, k)
     assert bm >= m and bm % 8 == 0 and bn % (16 * warps) == 0
-    assert k % k_split == 0 and k_split % bk == 0 and bk in (64, 128) and stages == 3
+    assert k_split % bk == 0 and k % bk == 0 and bk in (64, 128) and stages == 3 and 0 < k_split <= k
+    programs = -(-n // bn) * -(-k // k_split)
+    assert programs >= 132 or k_split <= 1024 or k_split == k // 2 ** (k_split < k)
+
+
+def test_uneven_k_ranges_only_where_halving_falls_short():
+    """The tuned Llama shapes keep their power-of-two splits; Qwen2-72B's down layer gets 7
+    ranges of 4224 instead of 64 programs holding all of K."""
+    assert mma.config(16, 4096, 14336)[4] == 1792 and mma.config(16, 4096, 4096)[4] == 1024
+    assert mma.config(16, 57344, 8192)[4] == 8192 and mma.config(16, 8192, 28672)[4] == 3584
+    assert mma.config(16, 8192, 29568)[4] == 4224
+    assert mma.config(16, 3584, 3584)[4] == 512  # 7 ranges: 392 programs instead of 112
 
 
 def test_dispatch_guard_names_the_reason(monkeypatch):
@@ -198,7 +212,7 @@ def test_bf16_stays_off_the_mma_path_before_sm90_and_fp16_takes_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     tested.clear()
     assert mma._self_test(torch.device("cpu")) is None
-    assert tested == [torch.bfloat16, torch.bfloat16, torch.float16]
+    assert tested == [torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16]
 
 
 def test_explicit_mma_path_off_cuda_raises_with_the_reason():

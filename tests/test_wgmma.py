@@ -153,13 +153,22 @@ def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),
-                                 (8192, 28672), (1000, 1152), (320, 128)])
+                                 (8192, 28672), (1000, 1152), (320, 128), (8192, 29568), (3584, 3584)])
 @pytest.mark.parametrize("m", [1, 64, 65, 128, 200, 256, 1024, 4096])
 def test_config_tiles_every_supported_shape(m, n, k):
     cfg = wgmma.config(m, n, k)
     assert wgmma.check_config(m, k, cfg) is None
     bn, bm, bk, warps, ks, *_ = cfg
     assert bm == (64 if m <= 128 else 128) and ks >= min(k, 512)
+    if m == 128 and -(-k // ks) == 1 and ks > 512:  # one program a tile only when the tiles fill the SMs
+        assert -(-n // bn) * -(-m // bm) >= 132
+
+
+def test_uneven_k_ranges_only_where_halving_falls_short():
+    assert wgmma.config(128, 4096, 4096)[4] == 1024 and wgmma.config(128, 4096, 14336)[4] == 3584
+    assert wgmma.config(128, 8192, 29568)[4] == 14848  # 2 ranges (14848 + 14720): 256 programs, not 128
+    assert wgmma.check_config(128, 29568, (128, 64, 64, 8, 14848, 3, 0, 0)) is None
+    assert wgmma.check_config(128, 29568, (128, 64, 64, 8, 14784, 3, 0, 0))  # 14784 is 115.5 step pairs
 
 
 def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):

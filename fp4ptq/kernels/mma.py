@@ -246,7 +246,8 @@ def _mma_kernel(
     # rows past N read row 0 and activation rows past M read row 0: computed, never stored
 
     k_lo = pid_k * K_SPLIT
-    k_last = k_lo + K_SPLIT - BK
+    k_hi = gl.minimum(k_lo + K_SPLIT, KW8 * 64)  # K; the last program's K range may be shorter (whole steps)
+    k_last = k_hi - BK
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
     if STAGES >= 2:  # cp.async ring of STAGES steps in shared memory
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -266,7 +267,7 @@ def _mma_kernel(
             _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
             _copy(x_ring.index(i), x_ptr + kc + xc_off)
             async_copy.commit_group()
-        for i in range(K_SPLIT // BK):
+        for i in range((k_hi - k_lo) // BK):
             async_copy.wait_group(STAGES - 2)
             _sync()  # step i is in; every thread is done with step i - 1's slot
             slot = i % STAGES
@@ -326,13 +327,20 @@ def config(m: int, n: int, k: int, sms: int = 132):
 
 def k_split(n: int, k: int, bn: int, bk: int, sms: int = 132) -> int:
     """K per program: K halved until ``cdiv(N, BN)`` row tiles times the splits give
-    about three programs per SM, keeping 1024 K or more (whole K steps) a program."""
+    about three programs per SM, keeping 1024 K or more (whole K steps) a program.
+    Where halving stops short of one program an SM (K not divisible that way:
+    Qwen2-72B's K = 29568 ran on 64 programs) and K > 1024, K is cut into ranges of
+    whole K steps instead, 512 K or more, for about three programs an SM; the last
+    range may be shorter (``cdiv(K, K per program)`` programs)."""
     tiles = triton.cdiv(n, bn)
     split = 1
     while tiles * split < 3 * sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
             and k // (split * 2) >= 1024:
         split *= 2
-    return k // split
+    if tiles * split >= sms or k <= 1024:  # (K = 576 layers: the summing launch costs more than it saves)
+        return k // split
+    per = triton.cdiv(triton.cdiv(k, triton.cdiv(3 * sms, tiles)), bk) * bk
+    return min(k, max(512, per))
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -358,7 +366,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if not supports(m, n, k):
         raise ValueError(f"the mma path takes M <= {MAX_M} and K % 64 == 0, got M={m}, K={k}")
     bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
-    if k % k_split or k_split % bk or bn % (16 * warps) or bm < m:
+    if k_split % bk or bn % (16 * warps) or bm < m:
         raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
         x2 = x2.clone(memory_format=torch.contiguous_format)
@@ -368,7 +376,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
     wl, sl, xl, sc, xc = _LAYOUTS[key]
-    splits = k // k_split
+    splits = triton.cdiv(k, k_split)
     target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
     has_bias = bias is not None
     _mma_kernel[(triton.cdiv(n, bn), splits)](
@@ -417,8 +425,9 @@ def product_check(fn, cases, device: torch.device) -> Optional[str]:
 def _self_test(device: torch.device) -> Optional[str]:
     """Small products against the reference decode: a partial row tile with
     split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16
-    (the bf16 ones only where the bf16 decode runs)."""
-    cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16))
+    (the bf16 ones only where the bf16 decode runs), a shorter last K range."""
+    cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16),
+             (7, 200, 1664, torch.bfloat16))  # K ranges of 512, 512, 512 and 128
     return product_check(matmul, [c for c in cases if dtype_reason(_index(device), c[3]) is None], device)
 
 

@@ -229,7 +229,8 @@ def _wgmma_kernel(
     x_off = gl.where(xm < M, xm, 0).to(gl.int64)[:, None] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))[None, :]
 
     k_lo = pid_k * K_SPLIT
-    k_last = k_lo + K_SPLIT - BK
+    k_hi = gl.minimum(k_lo + K_SPLIT, KW8 * 64)  # K; the last program's K range may be shorter
+    k_last = k_hi - BK
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
     s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
@@ -249,7 +250,7 @@ def _wgmma_kernel(
     # two steps an iteration, with their A operands in two variables: a step's registers are written
     # again only after the wgmma that read them completed (a loop-carried copy could be overwritten
     # while the wgmma is in flight: v1's race)
-    for j in range(K_SPLIT // (2 * BK)):
+    for j in range((k_hi - k_lo) // (2 * BK)):
         acc, a0, xr = _step(2 * j, acc, a1, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
                             sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
                             WL, SL, XL, WAIT, FENCE)
@@ -277,13 +278,19 @@ def config(m: int, n: int, k: int, sms: int = 132):
 
 def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int = 132) -> int:
     """K per program: K halved while the grid has fewer programs than SMs,
-    keeping 512 K or more (an even number of K steps) a program."""
+    keeping 512 K or more (an even number of K steps) a program; where halving
+    stops short of one program an SM (K not divisible that way), ranges of
+    whole step pairs, 512 K or more, for about one program an SM, the last one
+    possibly shorter (``cdiv(K, K per program)`` programs)."""
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     split = 1
     while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % (2 * bk) == 0 \
             and k // (split * 2) >= 512:
         split *= 2
-    return k // split
+    if tiles * split >= sms or k // split <= 512:
+        return k // split
+    per = triton.cdiv(triton.cdiv(k, triton.cdiv(sms, tiles)), 2 * bk) * 2 * bk
+    return min(k, max(512, per))
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -311,9 +318,9 @@ def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
         return "wait depth 0 or 1, register cap 0 (none), 128, 168 or 255"
     if bn != 16 * warps or warps not in (4, 8, 16) or bm not in (64, 128, 256) or bk not in (64, 128):
         return "BN must be 16 * warps (4, 8 or 16: whole warpgroups), BM 64/128/256, BK 64/128"
-    if k % ks or ks % (2 * bk) or stages not in (2, 3):
+    if ks % (2 * bk) or k % (2 * bk) or stages not in (2, 3):
         # (4 stages returned NaN or faulted on the H200 in run v2, not understood: refused)
-        return f"K per program {ks} must divide K={k} in an even number of K steps of {bk}; stages 2 or 3"
+        return f"K per program {ks} and K={k} must be even numbers of K steps of {bk}; stages 2 or 3"
     return None
 
 
@@ -349,7 +356,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
     wl, sl, xl, sc = _LAYOUTS[key]
-    splits = k // ks
+    splits = triton.cdiv(k, ks)
     target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
     has_bias = bias is not None
     _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
@@ -369,9 +376,9 @@ _READY: dict = {}
 
 
 def _self_test(device: torch.device) -> Optional[str]:
-    """Partial row and M tiles, split K, both K steps, fp16."""
+    """Partial row and M tiles, split K, both K steps, fp16, a shorter last K range."""
     return product_check(matmul, ((70, 200, 2048, torch.bfloat16), (300, 136, 1152, torch.bfloat16),
-                                  (100, 200, 1024, torch.float16)), device)
+                                  (100, 200, 1024, torch.float16), (80, 200, 1664, torch.bfloat16)), device)
 
 
 def _device_reason(index: int) -> Optional[str]:
