@@ -4,6 +4,9 @@ its error against the reference decode; so that a shape whose K or N the rules d
 up as a slow or wrong row.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/model_zoo_h200.py   # $OUT/model_zoo_h200.json
+
+Knobs: MS (rows), DTYPE (bf16 | fp16 activations and cuBLAS peer; the fp16 file is model_zoo_h200_fp16.json),
+FOUR_SIX (the W4A4 rule, default none).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from fp4ptq.kernels import gemm as gm
 
 dev = torch.device("cuda")
 MS = [int(v) for v in os.environ.get("MS", "1,2,16,64,128,1024").split(",")]
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("DTYPE", "bf16")]
+FOUR_SIX = os.environ.get("FOUR_SIX") or None
 MODELS = {  # name: {layer: (N out, K in)}
     "Qwen2-7B": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
     "Qwen2-72B": {"qkv": (10240, 8192), "gate_up": (59136, 8192), "down": (8192, 29568)},
@@ -32,23 +37,24 @@ res = {"env": peers.env(), "rows": []}
 g = torch.Generator(device=dev).manual_seed(0)
 for model, layers in MODELS.items():
     for layer, (n, k) in layers.items():
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        w = (torch.randn(n, k, device=dev, dtype=torch.float32, generator=g) * 0.02).to(DT)
         wq = nvfp4.quantize(w)
         wref = wq.dequantize(torch.float32)
         for m in MS:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            x = torch.randn(m, k, device=dev, dtype=torch.float32, generator=g).to(DT)
             ref = x.float() @ wref.T
             y = gm.linear_w4a16(x, wq)
             amax = x.float().abs().amax()
-            y4 = gm.linear_w4a4(x, wq, amax)
-            ref4 = nvfp4.quantize(x, None, amax=amax).dequantize(torch.float32) @ wref.T
+            y4 = gm.linear_w4a4(x, wq, amax, four_six=FOUR_SIX)
+            ref4 = nvfp4.quantize(x, FOUR_SIX, amax=amax).dequantize(torch.float32) @ wref.T
             row = {"model": model, "layer": layer, "n": n, "k": k, "m": m,
-                   "path": gm._auto_path(m, torch.bfloat16, False, k, dev, n),
+                   "dtype": str(DT), "four_six": FOUR_SIX,
+                   "path": gm._auto_path(m, DT, False, k, dev, n),
                    "rel_err": float((y.float() - ref).norm() / ref.norm()),
                    "w4a4_rel_err": float((y4.float() - ref4).norm() / ref4.norm()),
                    "cublas_us": peers.bench(lambda: x @ w.t()) * 1e3,
                    "ours_us": peers.bench(lambda: gm.linear_w4a16(x, wq)) * 1e3,
-                   "w4a4_us": peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3}
+                   "w4a4_us": peers.bench(lambda: gm.linear_w4a4(x, wq, amax, four_six=FOUR_SIX)) * 1e3}
             row["speedup"] = row["cublas_us"] / row["ours_us"]
             res["rows"].append(row)
             print(f"{model:13s} {layer:8s} {n:6d}x{k:<6d} M={m:<5d} {row['path']:7s} err {row['rel_err']:.1e} "
@@ -56,6 +62,7 @@ for model, layers in MODELS.items():
                   f"({row['speedup']:.2f}x)  w4a4 {row['w4a4_us']:8.1f}", flush=True)
         del w, wq, wref
         torch.cuda.empty_cache()
-with open(os.path.join(os.environ.get("OUT", "."), "model_zoo_h200.json"), "w") as f:
+name = "model_zoo_h200" + ("_fp16" if DT == torch.float16 else "") + ".json"
+with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
     json.dump(res, f, indent=1)
 print("total s", round(time.time() - T0, 1))

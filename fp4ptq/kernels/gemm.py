@@ -971,7 +971,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             # the global scales divide it: multiply in bf16 (the operands are exact there too),
             # scale in fp32, round once into fp16 (the bf16 product adds a 2^-9 rounding)
             w = dequantize(weight, torch.bfloat16, unit_global=True)
-            y.copy_(torch.mm(x2.to(torch.bfloat16), w.t()) * factor)
+            torch.mul(torch.mm(x2.to(torch.bfloat16), w.t()), factor, out=y)  # fp32 product, one rounding
         else:
             w = dequantize(weight, x2.dtype, unit_global=True)
             torch.mm(x2, w.t(), out=y)
