@@ -16,7 +16,7 @@ row held in registers for bf16, fp32 for fp16), a tiled GEMM, dequantize +
 cuBLAS for M >= 129; W4A4 runs the same paths after quantizing the
 activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
 ``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2
-on large layers, once its self-test passed on the device; the tiled GEMM
+on layers of 4M weights and more, once its self-test passed on the device; the tiled GEMM
 covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
 Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 once its
 self-test passed; dequantize + cuBLAS otherwise) and ``dot_scaled.py``

@@ -902,9 +902,11 @@ def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device:
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
                n: int = 0) -> str:
     """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
-    "mma" also takes M = 2 on layers of more than 4096 x 4096 weights (session-5 H200 runs: bf16
-    70B.gate_up 120 us against gemv6's 152, results/mma_h200_m2.json; fp16 8B.qkv 11.4 against
-    gemv4's 18.6) and, for fp16, M = 1 on layers of more than 6144 x 4096 (70B.gate_up 126 us
+    "mma" also takes M = 2 on layers of 4M weights and more (session-5 H200 runs: bf16 70B.gate_up
+    120 us against gemv6's 152, results/mma_h200_m2.json; session 7, results/m2_small_h200.json,
+    interleaved: 8B.o 9.2 against gemv6's 10.4 (bf16) and gemv4's 13.4 (fp16), Phi-3-mini o (9.4M)
+    8.3 against 9.5; SmolLM2's 0.6-1.8M-weight layers keep the GEMV) and, for fp16, M = 1 on layers
+    of more than 6144 x 4096 (70B.gate_up 126 us
     against gemv4's 146; at 6144 x 4096 gemv4 still wins, 11.1 against 11.9:
     results/gpu_module_check_h200.json)."""
     def mma_ok() -> bool:  # asked only where mma would be picked (its first use runs the self-test)
@@ -921,7 +923,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
 
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
-        if ((m == 2 and n * k > 4096 * 4096) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
+        if ((m == 2 and n * k >= 1 << 22) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
     if mma_ok():
