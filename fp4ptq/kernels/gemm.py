@@ -4,14 +4,15 @@ dequantize + cuBLAS for prefill) and W4A4 (activations quantized on the fly).
 Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
 dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
 activation row resident in registers and persistent programs over row tiles
-(M <= 2, bf16 activations; K split into power-of-two segments when it is not
-one), ``gemv5`` its predecessor (x re-read every step), ``gemv4`` fp32 GEMV
-(M <= 2, fp16), ``gemv`` the first GEMV (kept for comparison), ``mma`` the
-Gluon tensor-core kernel (``mma.py``; 3 <= M <= 64, bf16/fp16 activations, K % 64
-== 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
-``cublas`` dequantize + cuBLAS (M >= 64, or 65 with ``mma``), ``dot_scaled``
-FP4 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it
-there once its self-test passed). Timings: benchmarks/results/kernels_h200.md.
+(M <= 2, bf16 activations; K split into power-of-two segments, the last one masked,
+when it is not one; the next row tile prefetched on large layers), ``gemv5`` its
+predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv``
+the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
+(``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
+K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
+``cublas`` dequantize + cuBLAS (M >= 64, or 65 with ``mma``), ``dot_scaled`` FP4
+tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
+its self-test passed). Timings: benchmarks/results/kernels_h200.md.
 
 Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
 as int32 words of 8 codes or int64 blocks of 16; ``weight_scale [N, K/16]``
