@@ -283,6 +283,12 @@ def test_gemv6_split_k_with_a_masked_last_segment(tk, monkeypatch, prefetch):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
     assert _rel(y, x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
+    # W4A4 with x quantized inside the GEMV (FP4PTQ_W4A4_FUSED): the same bits as quantize kernel + GEMV
+    amax = x.float().abs().amax()
+    monkeypatch.setattr(gm, "W4A4_FUSED", True)
+    fused = gm.linear_w4a4(x, wq, amax, bias, path="gemv6")
+    monkeypatch.setattr(gm, "W4A4_FUSED", False)
+    assert torch.equal(fused, gm.linear_w4a4(x, wq, amax, bias, path="gemv6"))
 
 
 def test_gemv6_segments_keep_lanes_busy_without_cutting_rows_short():
