@@ -822,7 +822,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     tiles = triton.cdiv(n, rows)
     quant = amax is not None
     split = segments > 1
-    target = torch.empty(segments, m, n, dtype=torch.float32, device=y.device) if split else y
+    target = split_workspace(segments, y)
     args = (x2, words.view(torch.int64), sbits, enc, amax if quant else xenc_arg, bias_arg, target, m, n, k,
             x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
@@ -839,10 +839,26 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
             programs = (per_sm // fit) * fit * sms  # whole waves only
     grid = (max(1, min(tiles, triton.cdiv(programs, segments))), m, segments)
     _gemv_resident_kernel[grid](*args, **kwargs)
-    if split:
-        block = 1024
-        _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias_arg, y, m, n, segments, y.stride(0),
-                                                       HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+    return sum_splits(target, y, bias_arg if has_bias else None)
+
+
+def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
+    """Where a split-K launch writes: fp32 partial sums ``[splits, M, N]`` when K is
+    split, ``y`` itself otherwise."""
+    m, n = y.shape
+    return torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+
+
+def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y = sum of target's partial sums in split order (+ bias)`` when ``target`` is a
+    ``split_workspace``; nothing to do when the launch wrote ``y`` directly."""
+    if target is y:
+        return y
+    splits, m, n = target.shape
+    block = 1024
+    _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias if bias is not None else y, y, m, n, splits,
+                                                   y.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
+                                                   num_warps=4)
     return y
 
 

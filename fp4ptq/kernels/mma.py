@@ -357,7 +357,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
     its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
-    from .gemm import _gemv_split_finish, _sm_count
+    from .gemm import _sm_count, split_workspace, sum_splits
 
     m, k = x2.shape
     n = words.shape[0]
@@ -368,16 +368,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
     if k_split % bk or bn % (16 * warps) or bm < m:
         raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    if sbits.data_ptr() % 16:
-        sbits = sbits.clone()
+    x2, sbits = aligned_operands(x2, sbits)
     key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
     wl, sl, xl, sc, xc = _LAYOUTS[key]
     splits = triton.cdiv(k, k_split)
-    target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    target = split_workspace(splits, y)
     has_bias = bias is not None
     _mma_kernel[(triton.cdiv(n, bn), splits)](
         x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
@@ -385,10 +382,17 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
     )
-    if splits > 1:
-        _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
-                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
-    return y
+    return sum_splits(target, y, bias)
+
+
+def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
+    """The activations with 16-byte aligned rows of unit stride and the scale bytes
+    16-byte aligned (the kernels' 16-byte loads and cp.async copies), copied only if not."""
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if sbits.data_ptr() % 16:
+        sbits = sbits.clone()
+    return x2, sbits
 
 
 _READY: dict = {}

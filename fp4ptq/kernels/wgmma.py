@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
-                  _index, _layouts, _sync, decide_once, decode_line, product_check, stop_using,
+                  _index, _layouts, _sync, aligned_operands, decide_once, decode_line, product_check, stop_using,
                   store_output)
 
 
@@ -335,7 +335,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None."""
-    from .gemm import _gemv_split_finish, _sm_count
+    from .gemm import _sm_count, split_workspace, sum_splits
 
     m, k = x2.shape
     n = words.shape[0]
@@ -348,16 +348,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if reason:
         raise ValueError(f"wgmma: config {cfg} does not tile M={m}, K={k}: {reason}")
     bn, bm, bk, warps, ks, stages, wait, maxnreg = cfg
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte activation rows
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    if sbits.data_ptr() % 16:
-        sbits = sbits.clone()
+    x2, sbits = aligned_operands(x2, sbits)
     key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
     wl, sl, xl, sc = _LAYOUTS[key]
     splits = triton.cdiv(k, ks)
-    target = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    target = split_workspace(splits, y)
     has_bias = bias is not None
     _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
@@ -366,10 +363,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
-    if splits > 1:
-        _gemv_split_finish[(triton.cdiv(n, 1024), m)](target, bias if has_bias else enc, y, m, n, splits,
-                                                      y.stride(0), HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
-    return y
+    return sum_splits(target, y, bias)
 
 
 _READY: dict = {}
