@@ -916,6 +916,21 @@ def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device:
     return wgmma.ready(device)  # sm_90, compile and self-test: decided once per device
 
 
+def wsgemm_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the warp-specialized Gluon kernel (path "wsgemm") cannot take this input (None when it can)."""
+    if INTERPRET or device.type != "cuda":
+        return "the wsgemm path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the wsgemm path takes bf16 or fp16 activations, got {dtype}"
+    if m <= 0 or n <= 0 or k % 64:
+        return f"the wsgemm path takes K % 64 == 0, got M={m}, N={n}, K={k}"
+    try:
+        from . import wsgemm
+    except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
+        return f"Triton's Gluon dialect is not usable here ({exc})"
+    return wsgemm.ready(device)  # sm_90, compile and self-test: decided once per device
+
+
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
                n: int = 0) -> str:
     """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
@@ -1031,6 +1046,20 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
                 raise
             wgmma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
             return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)  # what M > 64 took before
+    if path == "wsgemm":
+        if not auto:
+            reason = wsgemm_unavailable_reason(m, n, k, x2.dtype, x2.device)
+            if reason is not None:
+                raise ValueError(reason)
+        from . import wsgemm
+
+        try:
+            return wsgemm.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
+        except Exception as exc:  # noqa: BLE001 - e.g. a shape its self-test did not build
+            if not auto:
+                raise
+            wsgemm.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
+            return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
@@ -1081,7 +1110,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
                  path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
-    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "wgmma", "gemm",
+    ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "wgmma", "wsgemm", "gemm",
     "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)

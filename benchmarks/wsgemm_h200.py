@@ -1,0 +1,146 @@
+"""The warp-specialized GEMM (fp4ptq/kernels/wsgemm.py) on the H200: correctness against the reference
+decode, then times against cuBLAS bf16 and the dispatch's dequantize + cuBLAS path at M = 256..8192 on
+Llama-3.1 8B / 70B layers, W4A4 at M = 1024, and tile variants in interleaved rounds (medians).
+
+    PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_h200.py   # $OUT/wsgemm_h200.json
+
+Knobs: MS (rows, default 256,512,1024,2048,8192), ROUNDS (3), VARIANTS ("" skips the variant sweep),
+WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import peers_h200 as peers
+from fp4ptq import nvfp4
+from fp4ptq.kernels import gemm as gm
+from fp4ptq.kernels import wsgemm
+
+dev = torch.device("cuda")
+T0 = time.time()
+BUDGET = float(os.environ.get("BUDGET_S", "400"))
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+MS = [int(v) for v in os.environ.get("MS", "256,512,1024,2048,8192").split(",")]
+SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
+          "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672)}
+# (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap); run v1 (4-warp
+# decoder, results/wsgemm_h200_v1.json) also timed x3b3, x5b2, 152 decoder registers (within 2% of the
+# default) and BM = 128 x BN = 128 (1.26x slower)
+VARIANTS = {"bm256": (256, 128, 64, 4, 2, 4, 128, 168), "bm256_x3b3": (256, 128, 64, 3, 3, 4, 128, 168),
+            "bm256_dec8": (256, 128, 64, 4, 2, 8, 80, 128)}
+if os.environ.get("VARIANTS") == "":
+    VARIANTS = {}
+out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("WS_JSON", "wsgemm_h200.json"))
+res = {"env": peers.env(), "default": list(wsgemm.DEFAULT_CONFIG), "ready": None, "checks": [], "rows": [],
+       "w4a4": [], "variants": []}
+
+
+def save():
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def rel(y, ref):
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+res["ready"] = wsgemm.ready(dev)
+print("ready:", res["ready"], f"{time.time() - T0:.1f}s", flush=True)
+save()
+g = torch.Generator(device=dev).manual_seed(0)
+# correctness: odd shapes, fp16, bias, W4A4, and the six layers at M = 1024
+checks = [(300, 520, 1024, torch.bfloat16, False), (129, 256, 64, torch.bfloat16, True),
+          (1000, 1000, 1152, torch.float16, True), (2048, 4096, 4096, torch.bfloat16, False),
+          (4100, 6144, 4096, torch.bfloat16, True)]
+for m, n, k, dt, bias in checks:
+    w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+    x = torch.randn(m, k, device=dev, generator=g).to(dt)
+    b = torch.randn(n, device=dev, generator=g).to(dt) if bias else None
+    ref = x.float() @ w.dequantize(torch.float32).T + (b.float() if bias else 0)
+    y = torch.full((m, n), float("nan"), device=dev, dtype=dt)
+    try:
+        gm.linear_w4a16(x, w, b, path="wsgemm", out=y)
+        row = {"m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias, "rel_ref": rel(y, ref),
+               "rel_cublas": rel(y, gm.linear_w4a16(x, w, b, path="cublas"))}
+        amax = x.float().abs().amax()
+        y4 = gm.linear_w4a4(x, w, amax, b, path="wsgemm")
+        row["w4a4_rel_cublas"] = rel(y4, gm.linear_w4a4(x, w, amax, b, path="cublas"))
+    except Exception as exc:  # noqa: BLE001 - record and go on
+        row = {"m": m, "n": n, "k": k, "error": repr(exc)[:400]}
+    res["checks"].append(row)
+    print(json.dumps(row), flush=True)
+save()
+
+for name, (n, k) in SHAPES.items():
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    wq = nvfp4.quantize(w)
+    for m in MS:
+        if time.time() - T0 > BUDGET:
+            break
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        row = {"shape": name, "m": m}
+        try:
+            row["rel_cublas_path"] = rel(gm.linear_w4a16(x, wq, path="wsgemm"), gm.linear_w4a16(x, wq, path="cublas"))
+            times = {}
+            for _ in range(ROUNDS):
+                times.setdefault("cublas_bf16", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
+                times.setdefault("dequant_cublas", []).append(
+                    peers.bench(lambda: gm.linear_w4a16(x, wq, path="cublas")) * 1e3)
+                times.setdefault("wsgemm", []).append(peers.bench(lambda: gm.linear_w4a16(x, wq, path="wsgemm")) * 1e3)
+            row["median_us"] = {a: statistics.median(b) for a, b in times.items()}
+            row["ws_vs_cublas"] = row["median_us"]["cublas_bf16"] / row["median_us"]["wsgemm"]
+            row["tflops"] = 2 * m * n * k / (row["median_us"]["wsgemm"] * 1e-6) / 1e12
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["rows"].append(row)
+        print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
+        save()
+        del x
+    if name in ("8B.qkv", "8B.gate_up", "8B.down", "70B.down") and time.time() - T0 < BUDGET:
+        x = torch.randn(1024, k, device=dev, dtype=torch.bfloat16, generator=g)
+        amax = x.float().abs().amax()
+        row = {"shape": name, "m": 1024}
+        try:
+            row["cublas_bf16"] = peers.bench(lambda: x @ w.t()) * 1e3
+            row["w4a4_cublas_path"] = peers.bench(lambda: gm.linear_w4a4(x, wq, amax, path="cublas")) * 1e3
+            row["w4a4_wsgemm"] = peers.bench(lambda: gm.linear_w4a4(x, wq, amax, path="wsgemm")) * 1e3
+            row["w4a4_wsgemm_over_cublas"] = row["w4a4_wsgemm"] / row["cublas_bf16"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["w4a4"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+shipped = wsgemm.config
+for name in ("8B.gate_up", "8B.o", "8B.down", "70B.down"):
+    if not VARIANTS or time.time() - T0 > BUDGET:
+        break
+    n, k = SHAPES[name]
+    wq = nvfp4.quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02)
+    x = torch.randn(1024, k, device=dev, dtype=torch.bfloat16, generator=g)
+    ref = gm.linear_w4a16(x, wq, path="wsgemm")
+    row = {"shape": name, "m": 1024, "errors": {}}
+    times = {}
+    for _ in range(ROUNDS):
+        for label, cfg in {"default": wsgemm.DEFAULT_CONFIG, **VARIANTS}.items():
+            wsgemm.config = lambda *a, c=cfg: c
+            try:
+                if label not in row["errors"]:
+                    row["errors"][label] = rel(gm.linear_w4a16(x, wq, path="wsgemm"), ref)
+                times.setdefault(label, []).append(peers.bench(lambda: gm.linear_w4a16(x, wq, path="wsgemm")) * 1e3)
+            except Exception as exc:  # noqa: BLE001
+                row["errors"][label] = repr(exc)[:300]
+            finally:
+                wsgemm.config = shipped
+    row["median_us"] = {a: statistics.median(b) for a, b in times.items()}
+    res["variants"].append(row)
+    print(json.dumps(row), flush=True)
+    save()
+res["elapsed_s"] = time.time() - T0
+save()
+print("done", f"{res['elapsed_s']:.0f}s")

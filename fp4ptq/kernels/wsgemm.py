@@ -1,0 +1,316 @@
+"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for large M on
+Hopper, with the weight decoded inside the main loop by warps of their own
+(warp specialization), written in Gluon. sm_90 only; bf16 or fp16
+activations, K % 64 == 0.
+
+Why: at M >= 1024 the dispatch dequantized the weight into a bf16 copy and
+called cuBLAS, which costs cuBLAS's time plus a decode pass that writes
+2 bytes a weight (0.24-0.30x cuBLAS's time on Llama-3.1-8B's layers,
+benchmarks/NOTES.md): 0.78-0.86x cuBLAS at best. Decoding in the GEMM's main
+loop reads 0.56 bytes a weight instead and hides the decode behind the tensor
+cores. The sixth pass (wgmma.py) decoded in the same warps that issue the
+MMA: every K step was one serial chain, latency-bound at 0.3x cuBLAS. Here
+three groups of warps run side by side, joined by mbarrier rings:
+
+* a loader warp copies the activation tile ``[BM, BK]`` and the weight's
+  code words ``[BN, BK/8]`` (int32, 8 codes a word) into a shared-memory
+  ring with TMA (``XSTAGES`` deep);
+* a decoder warpgroup reads the words from the ring and the step's scale
+  bytes from global memory (prefetched two steps ahead), decodes every word
+  into eight 16-bit floats in natural K order (mma.py's shifts give codes
+  ``(p, p + 4)`` in register ``p``; four ``prmt`` reorder them to
+  ``(2p, 2p + 1)``), and stores the tile ``[BN, BK]`` into a second ring
+  (``BSTAGES`` deep) in the NVMMA-swizzled layout that wgmma reads;
+* two consumer warpgroups (the default partition) issue the asynchronous
+  wgmma ``acc[BM, BN] += X[BM, BK] @ Wdec[BN, BK]^T`` from both rings, keep
+  one MMA in flight, release each step's slots when its MMA completed, and
+  write the output.
+
+Numerics as mma.py: the decoded weight is ``v * scale * 2^-26`` (bf16; fp16
+``v * scale * 2^-14``), exact; the tensor core sums the exact products in
+fp32; ``2^26 / global_enc`` (W4A4: also ``/ global_x``) once per output, as
+one correctly rounded factor, then the bias. So the result equals the other
+kernels' up to the order of the fp32 sums.
+
+The dispatch uses it only after ``ready(device)`` (sm_90, a self-test on the
+device) answered None. CPU tests (tests/test_wsgemm.py) check the decode's
+bit moves and the configuration rule and compile the kernel for sm_90; GPU
+checks and timings: benchmarks/wsgemm_h200.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, aligned_operands, decide_once,
+                  decode_line, product_check, stop_using)
+
+# the four decoded registers (codes (p, p + 4) in register p) -> natural pairs (0, 1), (2, 3), (4, 5), (6, 7):
+# prmt 0x5410 takes both low halves, 0x7632 both high halves (first operand in the low half)
+NATURAL_PAIRS = (("r0", "r1", 0x5410), ("r2", "r3", 0x5410), ("r0", "r1", 0x7632), ("r2", "r3", 0x7632))
+
+
+def decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
+    """PTX of one word: outputs $0-$3 the 16-bit-float pairs of codes (0, 1),
+    (2, 3), (4, 5), (6, 7) times the scale pair; $4-$11 the word (8 copies of
+    one register), $12-$15 the scale pairs (equal)."""
+    lines = [decode_line(f"r{p}", "$4", "$12", shifts[p], mag_mask, mul) for p in range(4)]
+    perm = [f"prmt.b32 ${q}, {a}, {b}, {sel:#06x};" for q, (a, b, sel) in enumerate(NATURAL_PAIRS)]
+    return "\n".join(["{", ".reg .b32 a, b, r0, r1, r2, r3;", *lines, *perm, "}"])
+
+
+_DECODE = gl.constexpr(decode_asm())
+_DECODE_F16 = gl.constexpr(decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
+_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
+
+
+@gluon.jit
+def _spread(v, n: gl.constexpr):
+    """``[BN, C]`` -> ``[BN, C * n]``: every element repeated ``n`` times in a row (n = 8 or 16)."""
+    v = gl.join(v, v)
+    v = gl.join(v, v)
+    v = gl.join(v, v)
+    if n == 16:
+        v = gl.join(v, v)
+    return gl.reshape(v, [v.shape[0], v.shape[1] * n])
+
+
+@gluon.jit
+def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n):
+    """TMA copies of K step ``j``'s activation tile and code words into ring slot ``j % XSTAGES``,
+    once the consumers released the slot's previous activations (the decoder, the slot's only
+    other reader, read its words two or more steps ago)."""
+    XSTAGES: gl.constexpr = w_ring.type.shape[0]
+    BK: gl.constexpr = w_ring.type.shape[2] * 8
+    s = j % XSTAGES
+    mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
+    mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, j * BK], ready.index(s), x_ring.index(s))
+    tma.async_copy_global_to_shared(w_desc, [off_n, j * (BK // 8)], ready.index(s), w_ring.index(s))
+
+
+@gluon.jit
+def _decoder(x_desc, w_desc, x_ring, w_ring, ready, x_empty, b_ring, b_ready, b_empty, s_ptr, N, KS, off_m, off_n,
+             k_steps):
+    XSTAGES: gl.constexpr = w_ring.type.shape[0]
+    BN: gl.constexpr = w_ring.type.shape[1]
+    BK: gl.constexpr = w_ring.type.shape[2] * 8
+    BSTAGES: gl.constexpr = b_ring.type.shape[0]
+    F16: gl.constexpr = b_ring.dtype == gl.float16
+    DW: gl.constexpr = gl.num_warps()  # this partition's warps
+    # one thread a row (BN / (32 DW) rows a thread), a row's BK/8 words and BK/16 scale bytes
+    wl: gl.constexpr = gl.BlockedLayout([1, BK // 8], [32, 1], [DW, 1], [1, 0])
+    sl: gl.constexpr = gl.BlockedLayout([1, BK // 16], [32, 1], [DW, 1], [1, 0])
+    dl: gl.constexpr = gl.BlockedLayout([1, BK], [32, 1], [DW, 1], [1, 0])
+    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, sl))
+    s_off = gl.where(rows < N, rows, 0).to(gl.int64)[:, None] * KS + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, sl))[None, :]
+    live = (rows < N)[:, None]
+    last = (k_steps - 1) * (BK // 16)
+    # scale bytes two steps ahead (rows past N: zero, so their decoded weights are zero)
+    s0 = gl.load(s_ptr + s_off, mask=live, other=0)
+    s1 = gl.load(s_ptr + gl.minimum(BK // 16, last) + s_off, mask=live, other=0)
+    for j in gl.static_range(XSTAGES - 1):
+        if j < k_steps:
+            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n)
+    for i in range(k_steps):
+        sb = s0
+        s0 = s1
+        s1 = gl.load(s_ptr + gl.minimum((i + 2) * (BK // 16), last) + s_off, mask=live, other=0)
+        s = i % XSTAGES
+        mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
+        wv = w_ring.index(s).load(wl)
+        fence_async_shared()  # these reads before the slot's next TMA write (issued by this partition)
+        # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100 (bf16,
+        # exact), * 2^8 -> the scale itself (fp16)
+        s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+        w8 = gl.convert_layout(_spread(wv, 8), dl, assert_trivial=True)
+        if F16:
+            sc = gl.convert_layout(_spread((s32 * 256.0).to(gl.float16), 16), dl, assert_trivial=True)
+            dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
+        else:
+            sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl,
+                                   assert_trivial=True)
+            dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
+        b = i % BSTAGES
+        mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
+        b_ring.index(b).store(dec)
+        fence_async_shared()  # the stores before the wgmma (async proxy) reads them
+        mbarrier.arrive(b_ready.index(b))
+        # step i + XSTAGES - 1 into the slot of step i - 1, whose activations the consumers release once
+        # MMA i - 1 completed, i.e. after they issued MMA i: only after step i is decoded (before it: deadlock)
+        if i + XSTAGES - 1 < k_steps:
+            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 1, off_m, off_n)
+
+
+@gluon.jit
+def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
+              XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr):
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+    for i in range(k_steps):
+        s = i % XSTAGES
+        b = i % BSTAGES
+        mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
+        mbarrier.wait(b_ready.index(b), (i // BSTAGES) & 1)
+        acc = warpgroup_mma(x_ring.index(s), b_ring.index(b).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])  # step i - 1's MMA is complete: release its slots
+        p = (i + XSTAGES - 1) % XSTAGES
+        q = (i + BSTAGES - 1) % BSTAGES
+        mbarrier.arrive(x_empty.index(p), pred=i > 0)
+        mbarrier.arrive(b_empty.index(q), pred=i > 0)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return (acc,)  # the default partition returns a tuple of tensors
+
+
+@gluon.jit
+def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, KS4, stride_ym, k_steps,
+               HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
+    KS = KS4 * 4  # scale bytes a row (K / 16), a multiple of 4
+    dtype: gl.constexpr = x_desc.dtype
+    F16: gl.constexpr = dtype == gl.float16
+    num_m = gl.cdiv(M, BM)
+    pid = gl.program_id(0)
+    off_m = (pid % num_m) * BM  # the row tiles of one weight tile run side by side: its codes come from HBM once
+    off_n = (pid // num_m) * BN
+
+    x_ring = gl.allocate_shared_memory(dtype, [XSTAGES, BM, BK], x_desc.layout)
+    w_ring = gl.allocate_shared_memory(gl.int32, [XSTAGES, BN, BK // 8], w_desc.layout)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], dtype)
+    b_ring = gl.allocate_shared_memory(dtype, [BSTAGES, BN, BK], b_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [BSTAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(XSTAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
+    for i in gl.static_range(BSTAGES):
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(b_empty.index(i), count=1)
+    fence_async_shared()
+
+    acc = gl.warp_specialize([
+        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM, BN, XSTAGES, BSTAGES, WARPS)),
+        (_decoder, (x_desc, w_desc, x_ring, w_ring, ready, x_empty, b_ring, b_ready, b_empty, s_ptr, N, KS, off_m,
+                    off_n, k_steps)),
+    ], [DEC_WARPS], [DEC_REGS])[0]
+
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BN, 16])
+    enc = gl.load(wenc_ptr)
+    if HAS_XENC:
+        enc = enc * gl.load(xenc_ptr)
+    if F16:
+        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
+    else:
+        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
+    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
+    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
+    if HAS_BIAS:
+        y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
+    ok = (mo < M)[:, None] & (no < N)[None, :]
+    gl.store(y_ptr + mo[:, None].to(gl.int64) * stride_ym + no[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
+DEFAULT_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
+
+
+def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
+    """The tile: 128 activation rows x 256 weight rows x 64 K (two consumer warpgroups of 64 x 256
+    fp32 accumulators), a 4-step TMA ring and 2 decoded tiles (48 + 64 KB of shared memory)."""
+    return DEFAULT_CONFIG
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes this shape: K a multiple of 64 (whole K steps; TMA row strides)."""
+    return m > 0 and n > 0 and k > 0 and k % 64 == 0
+
+
+def check_config(cfg: tuple) -> Optional[str]:
+    bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
+    if bm not in (64, 128, 256) or bn not in (128, 256) or bk not in (64, 128) or dec_warps not in (4, 8):
+        return "BM 64, 128 or 256, BN 128 or 256, BK 64 or 128, 4 or 8 decoder warps"
+    if xs < 2 or bs < 2:
+        return "both rings need at least 2 stages"
+    smem = xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2
+    if smem > 220 * 1024:
+        return f"{smem} bytes of shared memory (at most 220 KB)"
+    return None
+
+
+def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+           x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+           cfg: Optional[tuple] = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
+    weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
+    global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
+    (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = x2.shape
+    n = words.shape[0]
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the warp-specialized path takes bf16 or fp16 activations, got {x2.dtype}")
+    if not supports(m, n, k):
+        raise ValueError(f"the warp-specialized path takes K % 64 == 0, got M={m}, N={n}, K={k}")
+    cfg = cfg or config(m, n, k)
+    reason = check_config(cfg)
+    if reason:
+        raise ValueError(f"wsgemm: config {cfg}: {reason}")
+    bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
+    x2, sbits = aligned_operands(x2, sbits)
+    if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
+        words = words.contiguous()
+    gdt = gl.float16 if x2.dtype == torch.float16 else gl.bfloat16
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8],
+                                          gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
+    has_bias = bias is not None
+    _ws_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        x_desc, w_desc, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
+        m, n, k // 64, y.stride(0), k // bk,
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
+        DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
+    )
+    return y
+
+
+_READY: dict = {}
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """Partial row and column tiles, one K step, fp16."""
+    return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 64, torch.bfloat16),
+                                  (200, 300, 576, torch.float16)), device)
+
+
+def _device_reason(index: int) -> Optional[str]:
+    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
+        return "the warp-specialized path needs an sm_90 (Hopper) NVIDIA GPU"
+    return None
+
+
+def ready(device: torch.device) -> Optional[str]:
+    """None when ``device`` is an sm_90 GPU on which the kernel compiled and
+    passed its self-test (decided once per device), otherwise why not (with a
+    warning, once, when the self-test failed)."""
+    index = _index(device)
+    return decide_once(_READY, index, lambda: _device_reason(index), _self_test, "the warp-specialized path")
+
+
+def disable(device: torch.device, reason: str) -> None:
+    """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
+    stop_using(_READY, _index(device), reason, "the warp-specialized path")
+
+
+__all__ = ["DEFAULT_CONFIG", "check_config", "config", "decode_asm", "disable", "matmul", "ready", "supports"]
