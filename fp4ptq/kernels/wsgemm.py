@@ -96,56 +96,69 @@ def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n
 
 
 @gluon.jit
-def _decoder(x_desc, w_desc, x_ring, w_ring, ready, x_empty, b_ring, b_ready, b_empty, s_ptr, N, KS, off_m, off_n,
-             k_steps):
+def _issue_scales(s_desc, s_ring, s_ready, g, off_n):
+    """TMA copy of scale group ``g`` (the ``[BN, 16]`` scale bytes of ``16 / (BK / 16)`` K steps) into
+    scale slot ``g % 2``; that slot's previous group was read (and fenced) steps before."""
+    G16: gl.constexpr = s_ring.type.shape[2]
+    slot = g % 2
+    mbarrier.expect(s_ready.index(slot), s_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(s_desc, [off_n, g * G16], s_ready.index(slot), s_ring.index(slot))
+
+
+@gluon.jit
+def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
+             off_n, k_steps):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BN: gl.constexpr = w_ring.type.shape[1]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     BSTAGES: gl.constexpr = b_ring.type.shape[0]
+    G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
     F16: gl.constexpr = b_ring.dtype == gl.float16
     DW: gl.constexpr = gl.num_warps()  # this partition's warps
     # one thread a row (BN / (32 DW) rows a thread), a row's BK/8 words and BK/16 scale bytes
     wl: gl.constexpr = gl.BlockedLayout([1, BK // 8], [32, 1], [DW, 1], [1, 0])
     sl: gl.constexpr = gl.BlockedLayout([1, BK // 16], [32, 1], [DW, 1], [1, 0])
     dl: gl.constexpr = gl.BlockedLayout([1, BK], [32, 1], [DW, 1], [1, 0])
-    rows = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, sl))
-    s_off = gl.where(rows < N, rows, 0).to(gl.int64)[:, None] * KS + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, sl))[None, :]
-    live = (rows < N)[:, None]
-    last = (k_steps - 1) * (BK // 16)
-    # scale bytes two steps ahead (rows past N: zero, so their decoded weights are zero)
-    s0 = gl.load(s_ptr + s_off, mask=live, other=0)
-    s1 = gl.load(s_ptr + gl.minimum(BK // 16, last) + s_off, mask=live, other=0)
+    # Everything this partition reads comes by TMA: no global load is outstanding at the proxy fences
+    # (they compile to MEMBAR.ALL.CTA, which would wait for it)
+    _issue_scales(s_desc, s_ring, s_ready, 0, off_n)
     for j in gl.static_range(XSTAGES - 1):
         if j < k_steps:
             _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n)
-    for i in range(k_steps):
-        sb = s0
-        s0 = s1
-        s1 = gl.load(s_ptr + gl.minimum((i + 2) * (BK // 16), last) + s_off, mask=live, other=0)
-        s = i % XSTAGES
-        mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
-        wv = w_ring.index(s).load(wl)
-        fence_async_shared()  # these reads before the slot's next TMA write (issued by this partition)
-        # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100 (bf16,
-        # exact), * 2^8 -> the scale itself (fp16)
-        s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
-        w8 = gl.convert_layout(_spread(wv, 8), dl, assert_trivial=True)
-        if F16:
-            sc = gl.convert_layout(_spread((s32 * 256.0).to(gl.float16), 16), dl, assert_trivial=True)
-            dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
-        else:
-            sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl,
-                                   assert_trivial=True)
-            dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
-        b = i % BSTAGES
-        mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
-        b_ring.index(b).store(dec)
-        fence_async_shared()  # the stores before the wgmma (async proxy) reads them
-        mbarrier.arrive(b_ready.index(b))
-        # step i + XSTAGES - 1 into the slot of step i - 1, whose activations the consumers release once
-        # MMA i - 1 completed, i.e. after they issued MMA i: only after step i is decoded (before it: deadlock)
-        if i + XSTAGES - 1 < k_steps:
-            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 1, off_m, off_n)
+    for g in range(gl.cdiv(k_steps, G)):
+        if (g + 1) * G < k_steps:
+            _issue_scales(s_desc, s_ring, s_ready, g + 1, off_n)
+        mbarrier.wait(s_ready.index(g % 2), (g // 2) & 1)
+        for j in gl.static_range(G):
+            i = g * G + j
+            if i < k_steps:
+                s = i % XSTAGES
+                mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
+                wv = w_ring.index(s).load(wl)
+                sb = s_ring.index(g % 2).slice(j * (BK // 16), BK // 16, dim=1).load(sl)
+                # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100
+                # (bf16, exact), * 2^8 -> the scale itself (fp16)
+                s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+                w8 = gl.convert_layout(_spread(wv, 8), dl, assert_trivial=True)
+                if F16:
+                    sc = gl.convert_layout(_spread((s32 * 256.0).to(gl.float16), 16), dl, assert_trivial=True)
+                    dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
+                else:
+                    sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl,
+                                           assert_trivial=True)
+                    dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
+                b = i % BSTAGES
+                mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
+                b_ring.index(b).store(dec)
+                # one fence a step: the stores before the wgmma (async proxy) reads them, and this step's
+                # reads of the word and scale slots before their next TMA writes
+                fence_async_shared()
+                mbarrier.arrive(b_ready.index(b))
+                # step i + XSTAGES - 1 into the slot of step i - 1, whose activations the consumers release
+                # once MMA i - 1 completed, i.e. after they issued MMA i: only after step i is decoded
+                # (before it: a deadlock)
+                if i + XSTAGES - 1 < k_steps:
+                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 1, off_m, off_n)
 
 
 @gluon.jit
@@ -170,11 +183,10 @@ def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.
 
 
 @gluon.jit
-def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, KS4, stride_ym, k_steps,
+def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, k_steps,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
                DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
-    KS = KS4 * 4  # scale bytes a row (K / 16), a multiple of 4
     dtype: gl.constexpr = x_desc.dtype
     F16: gl.constexpr = dtype == gl.float16
     num_m = gl.cdiv(M, BM)
@@ -184,6 +196,8 @@ def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N,
 
     x_ring = gl.allocate_shared_memory(dtype, [XSTAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.int32, [XSTAGES, BN, BK // 8], w_desc.layout)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [2, BN, 16], s_desc.layout)
+    s_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], dtype)
     b_ring = gl.allocate_shared_memory(dtype, [BSTAGES, BN, BK], b_layout)
     ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
@@ -193,6 +207,8 @@ def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N,
     for i in gl.static_range(XSTAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(s_ready.index(i), count=1)
     for i in gl.static_range(BSTAGES):
         mbarrier.init(b_ready.index(i), count=1)
         mbarrier.init(b_empty.index(i), count=1)
@@ -200,8 +216,8 @@ def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N,
 
     acc = gl.warp_specialize([
         (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM, BN, XSTAGES, BSTAGES, WARPS)),
-        (_decoder, (x_desc, w_desc, x_ring, w_ring, ready, x_empty, b_ring, b_ready, b_empty, s_ptr, N, KS, off_m,
-                    off_n, k_steps)),
+        (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
+                    off_m, off_n, k_steps)),
     ], [DEC_WARPS], [DEC_REGS])[0]
 
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -222,18 +238,20 @@ def _ws_kernel(x_desc, w_desc, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N,
 
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
-DEFAULT_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
+DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
 
 
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """The tile: 128 activation rows x 256 weight rows x 64 K (two consumer warpgroups of 64 x 256
-    fp32 accumulators), a 4-step TMA ring and 2 decoded tiles (48 + 64 KB of shared memory)."""
+    """The tile: 256 activation rows x 128 weight rows x 64 K (two consumer warpgroups of 128 x 128
+    fp32 accumulators), a 4-step TMA ring and 2 decoded tiles (run v2: 7-9% ahead of 128 x 256, which
+    decodes twice the weights a FLOP)."""
     return DEFAULT_CONFIG
 
 
 def supports(m: int, n: int, k: int) -> bool:
-    """Whether the kernel takes this shape: K a multiple of 64 (whole K steps; TMA row strides)."""
-    return m > 0 and n > 0 and k > 0 and k % 64 == 0
+    """Whether the kernel takes this shape: K a multiple of 256 (TMA needs the scale rows, K / 16
+    bytes, at 16-byte strides)."""
+    return m > 0 and n > 0 and k > 0 and k % 256 == 0
 
 
 def check_config(cfg: tuple) -> Optional[str]:
@@ -242,7 +260,7 @@ def check_config(cfg: tuple) -> Optional[str]:
         return "BM 64, 128 or 256, BN 128 or 256, BK 64 or 128, 4 or 8 decoder warps"
     if xs < 2 or bs < 2:
         return "both rings need at least 2 stages"
-    smem = xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2
+    smem = xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16
     if smem > 220 * 1024:
         return f"{smem} bytes of shared memory (at most 220 KB)"
     return None
@@ -262,7 +280,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if x2.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the warp-specialized path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
-        raise ValueError(f"the warp-specialized path takes K % 64 == 0, got M={m}, N={n}, K={k}")
+        raise ValueError(f"the warp-specialized path takes K % 256 == 0, got M={m}, N={n}, K={k}")
     cfg = cfg or config(m, n, k)
     reason = check_config(cfg)
     if reason:
@@ -271,14 +289,17 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     x2, sbits = aligned_operands(x2, sbits)
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
+    if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
+        sbits = sbits.contiguous()
     gdt = gl.float16 if x2.dtype == torch.float16 else gl.bfloat16
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8],
                                           gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
+    s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     has_bias = bias is not None
     _ws_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-        x_desc, w_desc, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
-        m, n, k // 64, y.stride(0), k // bk,
+        x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
+        m, n, y.stride(0), k // bk,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
         DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
     )
@@ -290,8 +311,8 @@ _READY: dict = {}
 
 def _self_test(device: torch.device) -> Optional[str]:
     """Partial row and column tiles, one K step, fp16."""
-    return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 64, torch.bfloat16),
-                                  (200, 300, 576, torch.float16)), device)
+    return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
+                                  (200, 300, 1280, torch.float16)), device)
 
 
 def _device_reason(index: int) -> Optional[str]:
