@@ -1,5 +1,5 @@
 """Profile input for Nsight Compute: our W4A16 kernels (``--paths``, default
-``gemv6`` and ``gemv5``; ``mma`` and ``gemm`` for M > 2) beside torch's tinygemm
+``gemv6`` and ``gemv5``; ``mma``, ``gemm``, ``wsgemm`` and ``cublas_path`` (dequantize + cuBLAS) for M > 2) beside torch's tinygemm
 int4 and cuBLAS bf16 on one shape (default Llama-70B gate+up, N=57344, K=8192)
 and ``--m`` activation rows (default 1), each launched ``--reps`` times.
 
@@ -37,8 +37,8 @@ def main() -> int:
     wq = nvfp4.quantize(w)
     x = torch.randn(args.m, args.k, device="cuda", generator=gen).bfloat16()
     fns = {"tinygemm": lambda: tiny(x), "cublas": lambda: x @ w.t()}
-    for p in ("gemv4", "gemv5", "gemv6", "mma", "gemm"):
-        fns[p] = lambda p=p: gm.linear_w4a16(x, wq, path=p)
+    for p in ("gemv4", "gemv5", "gemv6", "mma", "gemm", "wsgemm", "cublas_path"):
+        fns[p] = lambda p=p: gm.linear_w4a16(x, wq, path="cublas" if p == "cublas_path" else p)
     labels = args.paths.split(",")
     tiny = peers.make_tinygemm(w) if "tinygemm" in labels else None
     print(f"gemv6 config {gm._gemv6_config(1, args.n, args.k)}", flush=True)
