@@ -122,7 +122,7 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
     # Everything this partition reads comes by TMA: no global load is outstanding at the proxy fences
     # (they compile to MEMBAR.ALL.CTA, which would wait for it)
     _issue_scales(s_desc, s_ring, s_ready, 0, off_n)
-    for j in gl.static_range(XSTAGES - 1):
+    for j in gl.static_range(XSTAGES - 2):
         if j < k_steps:
             _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n)
     for g in range(gl.cdiv(k_steps, G)):
@@ -154,11 +154,13 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
                 # reads of the word and scale slots before their next TMA writes
                 fence_async_shared()
                 mbarrier.arrive(b_ready.index(b))
-                # step i + XSTAGES - 1 into the slot of step i - 1, whose activations the consumers release
-                # once MMA i - 1 completed, i.e. after they issued MMA i: only after step i is decoded
-                # (before it: a deadlock)
-                if i + XSTAGES - 1 < k_steps:
-                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 1, off_m, off_n)
+                # step i + XSTAGES - 2 into the slot of step i - 2, whose activations the consumers released
+                # when MMA i - 2 completed, which they wait for after issuing MMA i - 1 (decoded before):
+                # this wait does not hold up the next decode. (Refilling the slot of step i - 1 here, run v3,
+                # waited for MMA i - 1 every step, so step i + 1's decode started only when MMA i did;
+                # before step i's decode it would deadlock.)
+                if i + XSTAGES - 2 < k_steps:
+                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2, off_m, off_n)
 
 
 @gluon.jit
@@ -258,8 +260,8 @@ def check_config(cfg: tuple) -> Optional[str]:
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
     if bm not in (64, 128, 256) or bn not in (128, 256) or bk not in (64, 128) or dec_warps not in (4, 8):
         return "BM 64, 128 or 256, BN 128 or 256, BK 64 or 128, 4 or 8 decoder warps"
-    if xs < 2 or bs < 2:
-        return "both rings need at least 2 stages"
+    if xs < 3 or bs < 2:
+        return "the TMA ring needs at least 3 stages (2 steps ahead), the decoded ring 2"
     smem = xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16
     if smem > 220 * 1024:
         return f"{smem} bytes of shared memory (at most 220 KB)"
