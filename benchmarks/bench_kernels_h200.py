@@ -307,7 +307,10 @@ def main_gpu():
                 for p_ in ("gemv4", "gemv5", "gemv6"):
                     ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
                 ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
-            ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
+            if m < 1024:  # (runs 1-9: 0.27-0.41x cuBLAS from M = 1024; slow to time at M = 8192)
+                ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
+            if 128 < m <= 2048:
+                ours["ours_w4a16_wsgemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="wsgemm")
             if m <= 64:
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
             elif m <= 128:
@@ -315,8 +318,9 @@ def main_gpu():
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
-            if m >= 128:
+            if 128 <= m < 1024:
                 ours["ours_w4a4_gemm"] = lambda x=x: gm.linear_w4a4(x, wq, amax, path="gemm")
+            if m >= 128:
                 ours["ours_w4a4_cublas"] = lambda x=x: gm.linear_w4a4(x, wq, amax, path="cublas")
             if m >= 1024:
                 ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
@@ -405,7 +409,7 @@ def report(path):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
              "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_wgmma",
-             "ours_w4a16_gemm",
+             "ours_w4a16_wsgemm", "ours_w4a16_gemm",
              "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
     present = [i for i in impls if any(r["impl"] == i for r in rows)]

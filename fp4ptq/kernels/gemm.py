@@ -681,6 +681,9 @@ MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
+# The warp-specialized Gluon kernel (wsgemm.py) for 512 <= M <= 1024 where its tiles fill the SMs
+# (wsgemm.preferred; results/wsgemm_h200_v4.json). FP4PTQ_WSGEMM=0 turns it off.
+WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
@@ -922,8 +925,8 @@ def wsgemm_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device
         return "the wsgemm path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the wsgemm path takes bf16 or fp16 activations, got {dtype}"
-    if m <= 0 or n <= 0 or k % 64:
-        return f"the wsgemm path takes K % 64 == 0, got M={m}, N={n}, K={k}"
+    if m <= 0 or n <= 0 or k % 256:
+        return f"the wsgemm path takes K % 256 == 0, got M={m}, N={n}, K={k}"
     try:
         from . import wsgemm
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
@@ -953,6 +956,16 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
             return False
         return wgmma.preferred(m, n, k) and wgmma_unavailable_reason(m, n, k, dtype, device) is None
 
+    def wsgemm_ok() -> bool:  # its measured rows (wsgemm.preferred) first: the guard runs the self-test
+        if not WSGEMM or device is None or device.type != "cuda" or INTERPRET:
+            return False
+        try:
+            from . import wsgemm
+        except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
+            return False
+        return (wsgemm.preferred(m, n, k, _sm_count(device))
+                and wsgemm_unavailable_reason(m, n, k, dtype, device) is None)
+
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
         if ((m == 2 and n * k >= 1 << 22) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
@@ -962,6 +975,8 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return "mma"
     if wgmma_ok():
         return "wgmma"
+    if wsgemm_ok():
+        return "wsgemm"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
 

@@ -65,6 +65,17 @@ def decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> 
     return "\n".join(["{", ".reg .b32 a, b, r0, r1, r2, r3;", *lines, *perm, "}"])
 
 
+# TMA global -> shared: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before
+if hasattr(tma, "async_load"):
+    @gluon.jit
+    def _tma_load(desc, coord, bar, smem):
+        tma.async_load(desc, coord, bar, smem)
+else:  # pragma: no cover - the H200's Triton 3.6
+    @gluon.jit
+    def _tma_load(desc, coord, bar, smem):
+        tma.async_copy_global_to_shared(desc, coord, bar, smem)
+
+
 _DECODE = gl.constexpr(decode_asm())
 _DECODE_F16 = gl.constexpr(decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
@@ -91,8 +102,8 @@ def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n
     s = j % XSTAGES
     mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
     mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, j * BK], ready.index(s), x_ring.index(s))
-    tma.async_copy_global_to_shared(w_desc, [off_n, j * (BK // 8)], ready.index(s), w_ring.index(s))
+    _tma_load(x_desc, [off_m, j * BK], ready.index(s), x_ring.index(s))
+    _tma_load(w_desc, [off_n, j * (BK // 8)], ready.index(s), w_ring.index(s))
 
 
 @gluon.jit
@@ -102,7 +113,7 @@ def _issue_scales(s_desc, s_ring, s_ready, g, off_n):
     G16: gl.constexpr = s_ring.type.shape[2]
     slot = g % 2
     mbarrier.expect(s_ready.index(slot), s_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(s_desc, [off_n, g * G16], s_ready.index(slot), s_ring.index(slot))
+    _tma_load(s_desc, [off_n, g * G16], s_ready.index(slot), s_ring.index(slot))
 
 
 @gluon.jit
@@ -250,6 +261,28 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     return DEFAULT_CONFIG
 
 
+# Rows for which the H200 run v4 (results/wsgemm_h200_v4.json, six Llama-3.1 8B/70B layers, M = 512, 1024,
+# 2048) had this kernel ahead of dequantize + cuBLAS: at M = 1024 on the five layers whose tiles fill the SMs
+# in whole waves (1.03-1.17x; 0.84-0.90x cuBLAS bf16), at M = 512 on 8B gate_up and the 70B layers
+# (1.11-1.36x); behind where a partial wave idles SMs (8B qkv at M = 1024: 192 tiles on 132 SMs, 0.85x) and
+# at M = 2048 on every layer (0.92-0.96x: the separate decode pass is amortized over more rows there).
+MIN_M, MAX_M = 512, 1024
+MIN_WAVE_FILL = 0.85
+
+
+def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
+    """The fraction of the SMs' program slots the tiles use over their waves (one CTA an SM)."""
+    bm, bn = (cfg or DEFAULT_CONFIG)[:2]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return tiles / (triton.cdiv(tiles, sms) * sms)
+
+
+def preferred(m: int, n: int, k: int, sms: int = 132) -> bool:
+    """The shape rule for the dispatch: 512 <= M <= 1024, K % 256 == 0 and tiles that fill at least
+    85% of the SMs over their waves (after ``ready(device)`` answered None)."""
+    return MIN_M <= m <= MAX_M and supports(m, n, k) and wave_fill(m, n, sms) >= MIN_WAVE_FILL
+
+
 def supports(m: int, n: int, k: int) -> bool:
     """Whether the kernel takes this shape: K a multiple of 256 (TMA needs the scale rows, K / 16
     bytes, at 16-byte strides)."""
@@ -336,4 +369,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, "the warp-specialized path")
 
 
-__all__ = ["DEFAULT_CONFIG", "check_config", "config", "decode_asm", "disable", "matmul", "ready", "supports"]
+__all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_M", "check_config", "config", "decode_asm", "disable", "matmul",
+           "preferred", "ready", "supports", "wave_fill"]
