@@ -963,7 +963,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
             from . import wsgemm
         except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
             return False
-        return (wsgemm.preferred(m, n, k, _sm_count(device))
+        return (wsgemm.MIN_M <= m <= wsgemm.MAX_M and wsgemm.preferred(m, n, k, _sm_count(device))
                 and wsgemm_unavailable_reason(m, n, k, dtype, device) is None)
 
     if m <= GEMV_MAX_M:
