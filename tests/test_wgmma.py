@@ -257,6 +257,7 @@ def test_dispatch_takes_wgmma_for_65_to_128_rows(monkeypatch):
     monkeypatch.setattr(wgmma, "ready", lambda device: None)  # its self-test passed on that device
     monkeypatch.setattr(mma, "ready", lambda device: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gemm, "_sm_count", lambda device: 132)  # (the wsgemm rule asks it from M = 129)
     for m in (65, 100, 128):
         assert gemm._auto_path(m, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
         assert gemm._auto_path(m, torch.float16, False, 4096, cuda, 4096) == "wgmma"

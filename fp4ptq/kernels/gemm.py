@@ -681,8 +681,8 @@ MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
-# The warp-specialized Gluon kernel (wsgemm.py) for 512 <= M <= 1024 where its tiles fill the SMs
-# (wsgemm.preferred; results/wsgemm_h200_v4.json). FP4PTQ_WSGEMM=0 turns it off.
+# The warp-specialized Gluon kernel (wsgemm.py) for 129 <= M <= 1024 where its tiles fill the SMs
+# (wsgemm.preferred; results/wsgemm_h200_v4.json, wsgemm_h200_rule.json). FP4PTQ_WSGEMM=0 turns it off.
 WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does

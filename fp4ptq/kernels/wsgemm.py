@@ -261,13 +261,17 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     return DEFAULT_CONFIG
 
 
-# Rows for which the H200 run v4 (results/wsgemm_h200_v4.json, six Llama-3.1 8B/70B layers, M = 512, 1024,
-# 2048) had this kernel ahead of dequantize + cuBLAS: at M = 1024 on the five layers whose tiles fill the SMs
-# in whole waves (1.03-1.17x; 0.84-0.90x cuBLAS bf16), at M = 512 on 8B gate_up and the 70B layers
-# (1.11-1.36x); behind where a partial wave idles SMs (8B qkv at M = 1024: 192 tiles on 132 SMs, 0.85x) and
-# at M = 2048 on every layer (0.92-0.96x: the separate decode pass is amortized over more rows there).
-MIN_M, MAX_M = 512, 1024
-MIN_WAVE_FILL = 0.85
+# Rows for which the H200 runs v4 and "rule" (results/wsgemm_h200_v4.json, wsgemm_h200_rule.json: six
+# Llama-3.1 8B/70B layers at M = 256, 512, 768, 1024, 1536, 2048) had this kernel ahead of dequantize +
+# cuBLAS: every row whose tiles fill at least 80% of the SMs over their waves, up to M = 1024 (1.03-1.6x;
+# at M = 1024 0.84-0.90x cuBLAS bf16); behind where a partial wave idles SMs (8B qkv at M = 1024: 192
+# tiles on 132 SMs, 0.85x; 8B o / down at M = 256-768) and from M = 1536 on most layers (the separate
+# decode pass is amortized over more rows there). From M = 129 (wgmma.py takes M <= 128): the 256-row
+# tile costs what it costs at M = 256, and dequantize + cuBLAS at least its M = 128 time, which is more
+# on the two layers the rule admits there (8B gate_up 159.5 against 119.0 us, 70B gate_up 623.3 against
+# 446.2).
+MIN_M, MAX_M = 129, 1024
+MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
 
 
 def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
@@ -278,8 +282,8 @@ def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
 
 
 def preferred(m: int, n: int, k: int, sms: int = 132) -> bool:
-    """The shape rule for the dispatch: 512 <= M <= 1024, K % 256 == 0 and tiles that fill at least
-    85% of the SMs over their waves (after ``ready(device)`` answered None)."""
+    """The shape rule for the dispatch: 129 <= M <= 1024, K % 256 == 0 and tiles that fill at least
+    80% of the SMs over their waves (after ``ready(device)`` answered None)."""
     return MIN_M <= m <= MAX_M and supports(m, n, k) and wave_fill(m, n, sms) >= MIN_WAVE_FILL
 
 

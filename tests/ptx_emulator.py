@@ -1,0 +1,91 @@
+"""A small emulator of the inline PTX blocks of fp4ptq's kernels, for CPU tests: the dozen
+instructions they use, bit for bit (packed 16-bit float compares, adds, FMAs, maxes and products
+rounded like the hardware, integer shifts and masks, ``prmt``), on int64 tensors of 32-bit words."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+
+def _halves(r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def one(v):
+        v = torch.where(v >= 32768, v - 65536, v)
+        return v.to(torch.int16).view(dtype).double()
+    return one(r & 0xFFFF), one((r >> 16) & 0xFFFF)
+
+
+def _join(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def bits(v):  # one rounding to the 16-bit format (values here are exact in fp32)
+        return v.float().to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    return bits(lo) | (bits(hi) << 16)
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(a)
+    for i in range(4):
+        out |= pool[(sel >> (4 * i)) & 7] << (8 * i)
+    return out
+
+
+def run_ptx(asm: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """Execute one of the kernels' PTX blocks on int64 tensors of 32-bit words (``$0`` is the
+    output, ``$1..`` the inputs), with the semantics of the PTX ISA for the instructions used."""
+    return run_ptx_regs(asm, {f"${i + 1}": v for i, v in enumerate(inputs)})["$0"]
+
+
+def run_ptx_regs(asm: str, inputs: dict) -> dict:
+    """The same for any named operands: ``inputs`` maps ``$i`` to tensors; returns every register."""
+    regs = {k: v.to(torch.int64) & 0xFFFFFFFF for k, v in inputs.items()}
+    like = next(iter(regs.values()))
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return torch.full_like(like, int(tok, 0), dtype=torch.int64)
+
+    body = asm.replace("{", " ").replace("}", " ")
+    for stmt in (s.strip() for s in body.split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *src = [t.strip() for t in args.split(",")]
+        parts = op.split(".")
+        ty = parts[-1]
+        if op == "mov.b32":
+            out = val(src[0])
+        elif op == "and.b32":
+            out = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            out = val(src[0]) | val(src[1])
+        elif op == "shr.u32":
+            out = val(src[0]) >> int(src[1])
+        elif op == "shl.b32":
+            out = (val(src[0]) << int(src[1])) & 0xFFFFFFFF
+        elif op == "max.u32":
+            out = torch.maximum(val(src[0]), val(src[1]))
+        elif op == "prmt.b32":
+            out = _prmt(val(src[0]), val(src[1]), int(src[2], 0))
+        elif ty in DTYPES:
+            dt = DTYPES[ty]
+            ops = [_halves(val(s), dt) for s in src]
+            if parts[0] == "set":  # set.ge.T.T: 1.0 in each half where true
+                assert parts[1] == "ge" and parts[2] == ty
+                lo, hi = ((ops[0][j] >= ops[1][j]).double() for j in (0, 1))
+            elif parts[0] == "add":
+                lo, hi = (ops[0][j] + ops[1][j] for j in (0, 1))
+            elif parts[0] == "mul":
+                lo, hi = (ops[0][j] * ops[1][j] for j in (0, 1))
+            elif parts[0] == "fma":
+                lo, hi = (ops[0][j] * ops[1][j] + ops[2][j] for j in (0, 1))
+            elif parts[0] == "max":
+                lo, hi = (torch.maximum(ops[0][j], ops[1][j]) for j in (0, 1))
+            else:
+                raise AssertionError(f"emulator: no {op}")
+            out = _join(lo, hi, dt)
+        else:
+            raise AssertionError(f"emulator: no {op}")
+        regs[dst] = out & 0xFFFFFFFF
+    return regs

@@ -1,0 +1,175 @@
+"""The warp-specialized Gluon GEMM (fp4ptq/kernels/wsgemm.py) on CPU.
+
+Gluon kernels do not run under the Triton interpreter, so here: the decoder's PTX (a word of 8 codes
+-> four 16-bit-float pairs in natural K order, times the scale) is executed by the PTX emulator and
+checked against the reference decode for every code under normal, subnormal and extreme scales; the
+kernel is compiled for sm_90 (TMA, mbarriers, wgmma, register reallocation between the partitions, no
+global loads in the main loop); the shape rule and the dispatch guard are checked. Its numerics and
+speed on the GPU: benchmarks/wsgemm_h200.py (results/wsgemm_h200_v4.json, wsgemm_h200_rule.json).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fp4ptq import nvfp4
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
+from fp4ptq.kernels import gemm, mma, wgmma  # noqa: E402
+from ptx_emulator import _halves, run_ptx_regs  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
+    """Output register q holds codes (2q, 2q + 1) of the word as ``v * scale * 2^-26`` (bf16) or
+    ``v * scale * 2^-14`` (fp16), exactly: the order of the activations' K, which come by TMA."""
+    asm, dtype, s_pow, out_pow = {
+        "bf16": (ws._DECODE.value, torch.bfloat16, 2.0**100, 2.0**-26),
+        "fp16": (ws._DECODE_F16.value, torch.float16, 1.0, 2.0**-14)}[fmt]
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every code once
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1)
+    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()  # [n, 8]
+    sbytes = torch.randint(0, 127, (4096,), generator=gen, dtype=torch.int64)
+    sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])  # zero, subnormals, 1, the largest
+    scale = sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    s16 = (scale * s_pow).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    pair = s16 | (s16 << 16)
+    regs = run_ptx_regs(asm, {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}})
+    for q in range(4):
+        lo, hi = _halves(regs[f"${q}"], dtype)
+        assert torch.equal(lo, ref[:, 2 * q] * scale * out_pow), q
+        assert torch.equal(hi, ref[:, 2 * q + 1] * scale * out_pow), q
+
+
+def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
+    text = ws._DECODE.value
+    assert text.count("mul.rn.bf16x2") == 4 and text.count("prmt.b32") == 4
+    for p, (mag, _sign) in enumerate(mma.DECODE_SHIFTS):
+        assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
+
+
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    bm, bn, bk, xs, bs, dw, dr, maxnreg = cfg
+    tdt, gdt = {"bf16": (torch.bfloat16, gl.bfloat16), "fp16": (torch.float16, gl.float16)}[dt]
+    x_d = TensorDescriptor.from_tensor(torch.empty(1024, 4096, dtype=tdt), [bm, bk],
+                                       gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    w_d = TensorDescriptor.from_tensor(torch.empty(4096, 512, dtype=torch.int32), [bn, bk // 8],
+                                       gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
+    s_d = TensorDescriptor.from_tensor(torch.empty(4096, 256, dtype=torch.uint8), [bn, 16],
+                                       gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
+    ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
+              DEC_WARPS=dw, DEC_REGS=dr)
+    types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
+             "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
+    fn = ws._ws_kernel
+    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr") or a == "stride_ym"}
+    try:
+        return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": maxnreg})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+
+
+@pytest.mark.parametrize("cfg,dt,bias,xenc", [
+    (ws.DEFAULT_CONFIG, "bf16", False, False),
+    (ws.DEFAULT_CONFIG, "fp16", True, True),
+    ((128, 256, 64, 5, 2, 4, 128, 168), "bf16", True, False),
+])
+def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
+    """TMA copies completing on mbarriers, asynchronous wgmma from two shared-memory operands,
+    registers moved from the decoder to the consumers (setmaxnreg), no local memory, and no global
+    load in the K loop: the decoder's scale bytes come by TMA, so the proxy fence (MEMBAR) never waits
+    on one (run v2: a global load in flight at every fence cost 10-20%)."""
+    ptx = _compile(cfg, dt, bias, xenc).asm["ptx"]
+    ty = "f16" if dt == "fp16" else "bf16"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg[1]}k16\.f32\.{ty}\.{ty}", ptx)
+    assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    # the only global loads: the global scale(s) and the 16-bit bias, in the epilogue
+    loads = [line for line in ptx.splitlines() if "ld.global" in line]
+    assert len([line for line in loads if ".b16" not in line]) <= 1 + int(xenc), loads
+    assert bias or len(loads) <= 1 + int(xenc)
+
+
+def test_shape_rule_follows_the_measured_rows():
+    """results/wsgemm_h200_v4.json and wsgemm_h200_rule.json: ahead of dequantize + cuBLAS where the
+    tiles fill 80% of the SMs over their waves (wins filled 0.85-0.97, losses 0.73 or less), from M = 129 to 1024."""
+    assert ws.preferred(1024, 28672, 4096) and ws.preferred(1024, 4096, 4096)  # 896 / 128 tiles
+    assert ws.preferred(1024, 4096, 14336) and ws.preferred(1024, 57344, 8192) and ws.preferred(1024, 8192, 28672)
+    assert not ws.preferred(1024, 6144, 4096)  # 192 tiles on 132 SMs: 0.73 of two waves (0.85x measured)
+    assert ws.preferred(512, 28672, 4096) and ws.preferred(512, 8192, 28672)
+    assert not ws.preferred(512, 4096, 4096) and not ws.preferred(768, 4096, 14336)
+    assert ws.preferred(256, 28672, 4096) and ws.preferred(129, 57344, 8192)
+    assert not ws.preferred(2048, 28672, 4096)  # behind at M = 2048 on every layer
+    assert not ws.preferred(128, 28672, 4096)  # wgmma's rows
+    assert not ws.preferred(1024, 28672, 4160)  # K % 256
+    assert ws.wave_fill(1024, 6144) == pytest.approx(192 / 264)
+    assert ws.wave_fill(1024, 4096, sms=128) == 1.0
+
+
+def test_check_config_refuses_what_does_not_fit():
+    assert ws.check_config(ws.DEFAULT_CONFIG) is None
+    assert "shared memory" in ws.check_config((256, 128, 64, 6, 2, 4, 128, 168))
+    assert ws.check_config((256, 128, 64, 2, 2, 4, 128, 168))  # the TMA ring runs 2 steps ahead
+    assert ws.check_config((256, 128, 32, 4, 2, 4, 128, 168))
+
+
+def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(ws, "ready", lambda device: None)  # its self-test passed on that device
+    monkeypatch.setattr(wgmma, "ready", lambda device: None)
+    monkeypatch.setattr(mma, "ready", lambda device: None)
+    monkeypatch.setattr(gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for dt in (torch.bfloat16, torch.float16):
+        for w4a4 in (False, True):
+            assert gemm._auto_path(1024, dt, w4a4, 4096, cuda, 28672) == "wsgemm"
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 6144) == "cublas"  # a partial wave
+    assert gemm._auto_path(2048, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
+    monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    monkeypatch.setattr(gemm, "WSGEMM", True)
+    monkeypatch.setattr(ws, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+
+
+def test_explicit_wsgemm_path_off_cuda_or_on_odd_k_raises_with_the_reason():
+    w = nvfp4.quantize(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="CUDA only"):
+        gemm.linear_w4a16(torch.randn(600, 256).bfloat16(), w, path="wsgemm")
+    assert "K % 256" in gemm.wsgemm_unavailable_reason(600, 64, 4160, torch.bfloat16, torch.device("cuda", 0))
+    assert "bf16 or fp16" in gemm.wsgemm_unavailable_reason(600, 64, 4096, torch.float32, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="K % 256"):
+        ws.matmul(torch.randn(600, 200).bfloat16(), torch.zeros(64, 25, dtype=torch.int32),
+                  torch.zeros(64, 12, dtype=torch.uint8), torch.ones(1), None, None, torch.empty(600, 64))
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        ws.matmul(torch.randn(600, 256), torch.zeros(64, 32, dtype=torch.int32),
+                  torch.zeros(64, 16, dtype=torch.uint8), torch.ones(1), None, None, torch.empty(600, 64))
+
+
+def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
+    monkeypatch.setattr(ws, "_READY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    called = []
+    monkeypatch.setattr(ws, "_self_test", lambda device: called.append(device))
+    assert "sm_90" in ws.ready(torch.device("cuda", 0))
+    assert "sm_90" in ws.ready(torch.device("cuda", 0)) and not called
+    assert "sm_90" in ws.ready(torch.device("cpu"))
