@@ -34,8 +34,10 @@ SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
 # run v2 (scale bytes by LDG, results/wsgemm_h200_v2.json): BM = 256 x BN = 128 7-9% ahead of 128 x 256,
 # 8 decoder warps (at 80 registers) 10-17% slower
 # run v3 (TMA scale bytes): 128 x 256 4-6% slower, 3 or 5 TMA stages within 3%
-VARIANTS = {"x5b2": (256, 128, 64, 5, 2, 4, 128, 168), "x4b3": (256, 128, 64, 4, 3, 4, 128, 168),
-            "bm128_bn256_x5": (128, 256, 64, 5, 2, 4, 128, 168)}
+# run v4 (TMA refills the slot of step i - 2): 5 TMA stages or 3 decoded tiles within 3%, 128 x 256 12-17%
+# slower
+VARIANTS = {"x4b3": (256, 128, 64, 4, 3, 4, 128, 168), "dec8": (256, 128, 64, 4, 2, 8, 80, 128),
+            "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128)}
 if os.environ.get("VARIANTS") == "":
     VARIANTS = {}
 out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("WS_JSON", "wsgemm_h200.json"))

@@ -76,7 +76,8 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
     fn = ws._ws_kernel
     sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr") or a == "stride_ym"}
+    # as at run time: 16-byte aligned allocations, and Triton specializes integers divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr") or a in ("N", "stride_ym")}
     try:
         return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": maxnreg})
@@ -100,6 +101,8 @@ def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # the output in 16-byte stores (the accumulator layout alone gives 4-byte ones)
+    assert "st.global.v4" in ptx and not re.search(r"st\.global\.b(16|32)", ptx)
     # the only global loads: the global scale(s) and the 16-bit bias, in the epilogue
     loads = [line for line in ptx.splitlines() if "ld.global" in line]
     assert len([line for line in loads if ".b16" not in line]) <= 1 + int(xenc), loads

@@ -246,8 +246,14 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N
     no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
     if HAS_BIAS:
         y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
+    # rounded once into the output dtype, then re-laid out so a thread stores 8 consecutive outputs (16
+    # bytes) and a warp whole rows: the accumulator layout stores 4-byte pairs (half of each sector wasted)
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])
+    yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
+    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
     ok = (mo < M)[:, None] & (no < N)[None, :]
-    gl.store(y_ptr + mo[:, None].to(gl.int64) * stride_ym + no[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+    gl.store(y_ptr + mo[:, None].to(gl.int64) * stride_ym + no[None, :], yo, mask=ok)
 
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
