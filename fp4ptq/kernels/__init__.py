@@ -13,12 +13,15 @@ bf16/fp16 inputs of 4M elements and more two elements a register with packed
 compares, everything else with fp32 compares), ``gemm.py`` (the W4A16/W4A4
 launcher and its paths: GEMVs for M <= 2 (packed bf16x2 with the activation
 row held in registers for bf16, fp32 for fp16), a tiled GEMM, dequantize +
-cuBLAS for M >= 129; W4A4 runs the same paths after quantizing the
+cuBLAS for M >= 129 where wsgemm.py does not run; W4A4 runs the same paths after quantizing the
 activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
 ``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2
 on layers of 4M weights and more, once its self-test passed on the device; the tiled GEMM
 covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
 Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 once its
+self-test passed), ``wsgemm.py`` (Gluon, warp-specialized: a warpgroup decodes
+TMA-copied weight tiles into shared memory for two warpgroups issuing ``wgmma``;
+on sm_90 it takes 129 <= M <= 1024 where its tiles fill the SMs, once its
 self-test passed; dequantize + cuBLAS otherwise) and ``dot_scaled.py``
 (NVFP4 x NVFP4 on the FP4 tensor cores of sm_100 and later through
 ``tl.dot_scaled``, used for W4A4 there after a self-test on the device).

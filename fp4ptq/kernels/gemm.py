@@ -1,5 +1,6 @@
-"""Triton NVFP4 GEMMs for Hopper: W4A16 (GEMV for tiny M, tiled ``tl.dot`` GEMM,
-dequantize + cuBLAS for prefill) and W4A4 (activations quantized on the fly).
+"""Triton NVFP4 GEMMs for Hopper: W4A16 (GEMV for tiny M, Gluon tensor-core kernels,
+a tiled ``tl.dot`` GEMM, dequantize + cuBLAS for long prefill) and W4A4 (activations
+quantized on the fly).
 
 Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
 dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
@@ -10,7 +11,9 @@ predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv``
 the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 (``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
-``cublas`` dequantize + cuBLAS (M >= 64, or 65 with ``mma``), ``dot_scaled`` FP4
+``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128), ``wsgemm`` the warp-specialized Gluon
+GEMM (``wsgemm.py``, sm_90, 129 <= M <= 1024 where its tiles fill the SMs, K % 256 == 0),
+``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
 its self-test passed). Timings: benchmarks/results/kernels_h200.md.
 

@@ -1,30 +1,35 @@
-"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for large M on
-Hopper, with the weight decoded inside the main loop by warps of their own
-(warp specialization), written in Gluon. sm_90 only; bf16 or fp16
-activations, K % 64 == 0.
+"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 129..1024
+on Hopper, with the weight decoded inside the main loop by a warpgroup of its
+own (warp specialization), written in Gluon. sm_90 only; bf16 or fp16
+activations, K % 256 == 0.
 
-Why: at M >= 1024 the dispatch dequantized the weight into a bf16 copy and
+Why: above M = 128 the dispatch dequantized the weight into a bf16 copy and
 called cuBLAS, which costs cuBLAS's time plus a decode pass that writes
 2 bytes a weight (0.24-0.30x cuBLAS's time on Llama-3.1-8B's layers,
-benchmarks/NOTES.md): 0.78-0.86x cuBLAS at best. Decoding in the GEMM's main
-loop reads 0.56 bytes a weight instead and hides the decode behind the tensor
-cores. The sixth pass (wgmma.py) decoded in the same warps that issue the
-MMA: every K step was one serial chain, latency-bound at 0.3x cuBLAS. Here
-three groups of warps run side by side, joined by mbarrier rings:
+benchmarks/NOTES.md): 0.78-0.86x cuBLAS at M = 1024. Decoding in the GEMM's
+main loop reads 0.56 bytes a weight instead and hides the decode behind the
+tensor cores. wgmma.py decodes in the warps that issue the MMA, so every K
+step is one serial chain (0.3x cuBLAS at M = 1024). Here two partitions run
+side by side, joined by mbarrier rings:
 
-* a loader warp copies the activation tile ``[BM, BK]`` and the weight's
-  code words ``[BN, BK/8]`` (int32, 8 codes a word) into a shared-memory
-  ring with TMA (``XSTAGES`` deep);
-* a decoder warpgroup reads the words from the ring and the step's scale
-  bytes from global memory (prefetched two steps ahead), decodes every word
-  into eight 16-bit floats in natural K order (mma.py's shifts give codes
-  ``(p, p + 4)`` in register ``p``; four ``prmt`` reorder them to
-  ``(2p, 2p + 1)``), and stores the tile ``[BN, BK]`` into a second ring
-  (``BSTAGES`` deep) in the NVMMA-swizzled layout that wgmma reads;
+* a decoder warpgroup issues the TMA copies (activation tile ``[BM, BK]`` and
+  the weight's code words ``[BN, BK/8]``, int32 of 8 codes, two steps ahead
+  into an ``XSTAGES`` ring; scale bytes ``[BN, 16]`` for 16 / (BK / 16) steps
+  into two slots), decodes every word into eight 16-bit floats in natural K
+  order (mma.py's shifts give codes ``(p, p + 4)`` in register ``p``; four
+  ``prmt`` reorder them to ``(2p, 2p + 1)``) and stores the tile ``[BN, BK]``
+  into a second ring (``BSTAGES`` deep) in the NVMMA-swizzled layout that
+  wgmma reads;
 * two consumer warpgroups (the default partition) issue the asynchronous
   wgmma ``acc[BM, BN] += X[BM, BK] @ Wdec[BN, BK]^T`` from both rings, keep
   one MMA in flight, release each step's slots when its MMA completed, and
-  write the output.
+  write the output (rounded once, re-laid out for 16-byte stores).
+
+Three things the H200 runs showed (NOTES, ninth pass): the decoder must not
+refill the ring slot the consumers free last (it would wait for each MMA
+before the next decode); no global load may be in flight at the decoder's
+proxy fence (MEMBAR.ALL.CTA waits for it), hence the scales by TMA; and
+256 x 128 tiles beat 128 x 256 (half the decode a FLOP).
 
 Numerics as mma.py: the decoded weight is ``v * scale * 2^-26`` (bf16; fp16
 ``v * scale * 2^-14``), exact; the tensor core sums the exact products in
@@ -32,10 +37,12 @@ fp32; ``2^26 / global_enc`` (W4A4: also ``/ global_x``) once per output, as
 one correctly rounded factor, then the bias. So the result equals the other
 kernels' up to the order of the fp32 sums.
 
-The dispatch uses it only after ``ready(device)`` (sm_90, a self-test on the
-device) answered None. CPU tests (tests/test_wsgemm.py) check the decode's
-bit moves and the configuration rule and compile the kernel for sm_90; GPU
-checks and timings: benchmarks/wsgemm_h200.py.
+Measured (table run 10, results/kernels_h200.md): 0.88-0.90x cuBLAS bf16 at
+M = 1024 on five Llama-3.1 layers, W4A4 1.08-1.29x cuBLAS's time. The dispatch
+uses it only where ``preferred`` (its measured rows) and after ``ready(device)``
+(sm_90, a self-test on the device) answered None. CPU tests (tests/test_wsgemm.py)
+run the decoder's PTX in an emulator, check the shape rule and compile the
+kernel for sm_90; GPU checks and timings: benchmarks/wsgemm_h200.py.
 """
 from __future__ import annotations
 
