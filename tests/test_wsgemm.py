@@ -77,7 +77,8 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
     fn = ws._ws_kernel
     sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
     # as at run time: 16-byte aligned allocations, and Triton specializes integers divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr") or a in ("N", "stride_ym")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig)
+             if a.endswith("_ptr") or a in ("N", "stride_ym")}
     try:
         return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": maxnreg})
@@ -121,6 +122,7 @@ def test_shape_rule_follows_the_measured_rows():
     assert not ws.preferred(2048, 28672, 4096)  # behind at M = 2048 on every layer
     assert not ws.preferred(128, 28672, 4096)  # wgmma's rows
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
+    assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     assert ws.wave_fill(1024, 6144) == pytest.approx(192 / 264)
     assert ws.wave_fill(1024, 4096, sms=128) == 1.0
 
