@@ -52,6 +52,7 @@ before fp32 takes over; under the Triton interpreter that FMA is emulated.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional
 
@@ -908,34 +909,36 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     return reason if reason is not None else mma.dtype_reason(mma._index(device), dtype)
 
 
-def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
-    """Why the Gluon wgmma kernel (path "wgmma") cannot take this input (None when it can)."""
+# K multiple each sm_90 Gluon kernel takes: wgmma.py's K steps go in pairs of 64; wsgemm.py's scale
+# bytes come by TMA, whose row stride (K / 16 bytes) must be a multiple of 16
+_GLUON_SM90_K = {"wgmma": 128, "wsgemm": 256}
+
+
+def _gluon_sm90_reason(path: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the sm_90 Gluon kernel of ``path`` ("wgmma": wgmma.py, "wsgemm": wsgemm.py) cannot take
+    this input (None when it can): CUDA, bf16/fp16 activations, its K multiple, then the module's
+    ``ready`` (sm_90, compile and self-test: decided once per device)."""
     if INTERPRET or device.type != "cuda":
-        return "the wgmma path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
+        return f"the {path} path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"the wgmma path takes bf16 or fp16 activations, got {dtype}"
-    if m <= 0 or n <= 0 or k % 128:
-        return f"the wgmma path takes K % 128 == 0, got M={m}, N={n}, K={k}"
+        return f"the {path} path takes bf16 or fp16 activations, got {dtype}"
+    if m <= 0 or n <= 0 or k % _GLUON_SM90_K[path]:
+        return f"the {path} path takes K % {_GLUON_SM90_K[path]} == 0, got M={m}, N={n}, K={k}"
     try:
-        from . import wgmma
+        module = importlib.import_module(f".{path}", __package__)
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
         return f"Triton's Gluon dialect is not usable here ({exc})"
-    return wgmma.ready(device)  # sm_90, compile and self-test: decided once per device
+    return module.ready(device)
+
+
+def wgmma_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the Gluon wgmma kernel (path "wgmma") cannot take this input (None when it can)."""
+    return _gluon_sm90_reason("wgmma", m, n, k, dtype, device)
 
 
 def wsgemm_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the warp-specialized Gluon kernel (path "wsgemm") cannot take this input (None when it can)."""
-    if INTERPRET or device.type != "cuda":
-        return "the wsgemm path is a Gluon kernel: CUDA only, the Triton interpreter cannot run it"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"the wsgemm path takes bf16 or fp16 activations, got {dtype}"
-    if m <= 0 or n <= 0 or k % 256:
-        return f"the wsgemm path takes K % 256 == 0, got M={m}, N={n}, K={k}"
-    try:
-        from . import wsgemm
-    except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
-        return f"Triton's Gluon dialect is not usable here ({exc})"
-    return wsgemm.ready(device)  # sm_90, compile and self-test: decided once per device
+    return _gluon_sm90_reason("wsgemm", m, n, k, dtype, device)
 
 
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
@@ -951,24 +954,14 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     def mma_ok() -> bool:  # asked only where mma would be picked (its first use runs the self-test)
         return device is not None and MMA_MAX_M >= m and mma_unavailable_reason(m, k, dtype, device) is None
 
-    def wgmma_ok() -> bool:  # its measured rows (wgmma.preferred) first: the guard runs the self-test
-        if not WGMMA or device is None or device.type != "cuda" or INTERPRET:
+    def sm90_ok(path: str, enabled: bool, preferred) -> bool:  # its measured rows first: the guard
+        if not enabled or device is None or device.type != "cuda" or INTERPRET:  # runs the self-test
             return False
         try:
-            from . import wgmma
+            module = importlib.import_module(f".{path}", __package__)
         except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
             return False
-        return wgmma.preferred(m, n, k) and wgmma_unavailable_reason(m, n, k, dtype, device) is None
-
-    def wsgemm_ok() -> bool:  # its measured rows (wsgemm.preferred) first: the guard runs the self-test
-        if not WSGEMM or device is None or device.type != "cuda" or INTERPRET:
-            return False
-        try:
-            from . import wsgemm
-        except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
-            return False
-        return (wsgemm.MIN_M <= m <= wsgemm.MAX_M and wsgemm.preferred(m, n, k, _sm_count(device))
-                and wsgemm_unavailable_reason(m, n, k, dtype, device) is None)
+        return preferred(module) and _gluon_sm90_reason(path, m, n, k, dtype, device) is None
 
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
@@ -977,9 +970,10 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return gemv
     if mma_ok():
         return "mma"
-    if wgmma_ok():
+    if sm90_ok("wgmma", WGMMA, lambda mod: mod.preferred(m, n, k)):
         return "wgmma"
-    if wsgemm_ok():
+    if sm90_ok("wsgemm", WSGEMM,  # (the SM count asked only for its rows)
+               lambda mod: mod.MIN_M <= m <= mod.MAX_M and mod.preferred(m, n, k, _sm_count(device))):
         return "wsgemm"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
@@ -1051,34 +1045,19 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
                 raise
             mma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
             path = "gemm"  # the tiled GEMM takes every shape
-    if path == "wgmma":
+    if path in _GLUON_SM90_K:  # "wgmma" (65 <= M <= 128), "wsgemm" (the warp-specialized GEMM)
         if not auto:
-            reason = wgmma_unavailable_reason(m, n, k, x2.dtype, x2.device)
+            reason = _gluon_sm90_reason(path, m, n, k, x2.dtype, x2.device)
             if reason is not None:
                 raise ValueError(reason)
-        from . import wgmma
-
+        module = importlib.import_module(f".{path}", __package__)
         try:
-            return wgmma.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
+            return module.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
         except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
             if not auto:
                 raise
-            wgmma.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
+            module.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
             return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)  # what M > 64 took before
-    if path == "wsgemm":
-        if not auto:
-            reason = wsgemm_unavailable_reason(m, n, k, x2.dtype, x2.device)
-            if reason is not None:
-                raise ValueError(reason)
-        from . import wsgemm
-
-        try:
-            return wsgemm.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
-        except Exception as exc:  # noqa: BLE001 - e.g. a shape its self-test did not build
-            if not auto:
-                raise
-            wsgemm.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
-            return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)
     if path == "gemv6":
         if amax is None:
             if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
