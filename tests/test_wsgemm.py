@@ -178,3 +178,27 @@ def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
     assert "sm_90" in ws.ready(torch.device("cuda", 0))
     assert "sm_90" in ws.ready(torch.device("cuda", 0)) and not called
     assert "sm_90" in ws.ready(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("module", [ws, wgmma])
+def test_a_failed_launch_of_a_picked_sm90_kernel_falls_back_to_dequantize_and_cublas(monkeypatch, module):
+    """gemm.py's one launch block for the sm_90 Gluon kernels: when the shape rules picked the kernel
+    and its launch fails, the kernel is disabled on that device (with the reason) and the call
+    returns the dequantize + matmul result; an explicit request for it raises instead."""
+    path = "wsgemm" if module is ws else "wgmma"
+    w = nvfp4.quantize(torch.randn(96, 512, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(200, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    disabled = []
+    monkeypatch.setattr(module, "matmul", failing)
+    monkeypatch.setattr(module, "disable", lambda device, reason: disabled.append(reason))
+    # the CPU stand-in for the dequantize kernel: the reference decode it is bit-identical to
+    monkeypatch.setattr(gemm, "dequantize", lambda weight, dtype, unit_global=False: weight.dequantize(dtype))
+    y = gemm._matmul(x, w, None, path=path, picked=True)
+    assert torch.equal(y, torch.mm(x, w.dequantize(torch.bfloat16).t()))
+    assert len(disabled) == 1 and "launch failed" in disabled[0] and "M=200, N=96, K=512" in disabled[0]
+    with pytest.raises(ValueError, match="CUDA only"):  # asked for by name: the guard answers first
+        gemm._matmul(x, w, None, path=path)
