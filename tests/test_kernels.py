@@ -403,22 +403,14 @@ def test_dot_scaled_kernel_compiles_to_native_nvfp4_mma_for_sm100(even_k):
     the block-scaled FP4 tensor-core MMA with 16-element E4M3 blocks."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from compile_target import compile_for
 
     ds = importlib.import_module("fp4ptq.kernels.dot_scaled")
-    sig = {"x_ptr": "*u8", "xs_ptr": "*fp8e4nv", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wenc_ptr": "*fp32",
-           "xenc_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_ym": "i32"}
+    types = {"x_ptr": "*u8", "xs_ptr": "*fp8e4nv", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wenc_ptr": "*fp32",
+             "xenc_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16"}
     consts = {"X_FMT": "e2m1", "HAS_BIAS": True, "HAS_XENC": True, "BLOCK_M": 128, "BLOCK_N": 128,
               "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": even_k}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    try:
-        compiled = triton.compile(ASTSource(fn=ds._dot_scaled_kernel, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 100, 32), options={"num_warps": 4, "num_stages": 3})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
-        pytest.skip(f"cannot compile for sm_100 here: {exc}")
+    compiled = compile_for(ds._dot_scaled_kernel, types, consts, arch=100, num_warps=4, num_stages=3)
     mma = set(re.findall(r"tcgen05\.mma[\w.:]*", compiled.asm["ptx"]))
     assert any("kind::mxf4nvf4.block_scale" in op and ("block16" in op or "scale_vec::4X" in op) for op in mma), mma
 

@@ -20,6 +20,7 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 mma = pytest.importorskip("fp4ptq.kernels.mma")
+from compile_target import compile_for  # noqa: E402
 from fp4ptq.kernels import gemm  # noqa: E402
 
 
@@ -107,25 +108,12 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     """The shipped kernel builds for the H200's sm_90: bf16/fp16 mma.sync m16n8k16 fed from
     registers (the layout conversions are asserted trivial at compile time), cp.async
     for the ring, no spills to local memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     ce = dict(cfg)
     dt = ce.pop("DT", "bf16")
     ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
     types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": f"*{dt}", "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
-    fn = mma._mma_kernel
-    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
-    # as at run time: torch allocations are 16-byte aligned (matmul clones any operand that is not)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr")}
-    try:
-        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": cfg["WARPS"]})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    k = compile_for(mma._mma_kernel, types, ce, gluon=True, num_warps=cfg["WARPS"])
     ptx = k.asm["ptx"]
     ty = "f16" if dt == "fp16" else "bf16"
     assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{ty}\.{ty}\.f32", ptx)

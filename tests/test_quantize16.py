@@ -18,6 +18,7 @@ from fp4ptq import nvfp4
 
 pytest.importorskip("triton")
 from fp4ptq.kernels import quantize_kernel as qk  # noqa: E402
+from compile_target import compile_for  # noqa: E402
 from ptx_emulator import DTYPES, _halves, _join, run_ptx  # noqa: E402
 
 def _all_patterns(dtype):
@@ -121,22 +122,11 @@ def test_scaled_ptx_is_the_signed_code_times_the_scale_exactly(dtype):
 def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six):
     """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads and
     no local memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = qk._quantize16_kernel
     ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64)
     types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
              "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
-    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig)
-             if a.endswith("_ptr") or a in ("K", "stride_xw", "stride_sw")}
-    try:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    k = compile_for(qk._quantize16_kernel, types, ce, divisible=("K", "stride_xw", "stride_sw"), num_warps=4,
+                    enable_fp_fusion=False)
     ptx = k.asm["ptx"]
     ty = "f16x2" if f16 else "bf16x2"
     assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2  # 2 blocks a thread

@@ -22,6 +22,7 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
+from compile_target import compile_for  # noqa: E402
 from fp4ptq.kernels import mma  # noqa: E402
 
 
@@ -107,28 +108,16 @@ def test_decode_asm_reads_each_rows_word_and_scale():
 
 
 def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     ce = dict(cfg, FENCE=True)
     ce.setdefault("HAS_XENC", False)
     ce.update(zip(("WL", "SL", "XL", "SC"), wgmma._layouts_wg(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
     types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": f"*{dt}",
              "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
-    fn = wgmma._wgmma_kernel
-    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
-    # as at run time: torch allocations are 16-byte aligned, and Triton specializes integer
-    # arguments divisible by 16 (Llama shapes: K = 4096 gives KW8 = KB4 = stride_x8 = 64)
-    ints = ("KW8", "KB4", "stride_x8", "stride_ym", "K_SPLIT")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig) if a.endswith("_ptr") or a in ints}
-    try:
-        return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg["WARPS"], **({"maxnreg": maxnreg} if maxnreg else {})})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    # (Llama shapes: K = 4096 gives KW8 = KB4 = stride_x8 = 64)
+    return compile_for(wgmma._wgmma_kernel, types, ce, gluon=True,
+                       divisible=("KW8", "KB4", "stride_x8", "stride_ym", "K_SPLIT"), num_warps=cfg["WARPS"],
+                       **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 @pytest.mark.parametrize("cfg,dt", [

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
 from fp4ptq.kernels import gemm, mma, wgmma  # noqa: E402
+from compile_target import compile_for  # noqa: E402
 from ptx_emulator import _halves, run_ptx_regs  # noqa: E402
 
 
@@ -55,10 +56,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
 
 
 def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
@@ -74,16 +72,8 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
               DEC_WARPS=dw, DEC_REGS=dr)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
-    fn = ws._ws_kernel
-    sig = {a: ("constexpr" if a in ce else types.get(a, "i32")) for a in fn.arg_names}
-    # as at run time: 16-byte aligned allocations, and Triton specializes integers divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(sig)
-             if a.endswith("_ptr") or a in ("N", "stride_ym")}
-    try:
-        return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": maxnreg})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton install without the CUDA toolchain
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym"), num_warps=8,
+                       maxnreg=maxnreg)
 
 
 @pytest.mark.parametrize("cfg,dt,bias,xenc", [
