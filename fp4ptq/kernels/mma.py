@@ -450,6 +450,13 @@ def _device_reason(index: int) -> Optional[str]:
     return None
 
 
+def sm90_reason(index: int, label: str) -> Optional[str]:
+    """Why GPU ``index`` cannot run a Hopper-only kernel (wgmma.py, wsgemm.py): None on an sm_90 NVIDIA GPU."""
+    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
+        return f"{label} needs an sm_90 (Hopper) NVIDIA GPU"
+    return None
+
+
 def decide_once(cache: dict, index: int, unsupported, self_test, label: str) -> Optional[str]:
     """The once-per-device answer of a Gluon kernel's guard (this module's and wgmma.py's):
     ``unsupported()`` (why the GPU cannot run it, or None), else its ``self_test`` there, kept in
@@ -494,4 +501,4 @@ def disable(device: torch.device, reason: str) -> None:
 
 
 __all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "matmul",
-           "product_check", "ready", "stop_using", "store_output", "supports"]
+           "product_check", "ready", "sm90_reason", "stop_using", "store_output", "supports"]

@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
-                  _index, _layouts, _sync, aligned_operands, decide_once, decode_line, product_check, stop_using,
-                  store_output)
+                  _index, _layouts, _sync, aligned_operands, decide_once, decode_line, product_check, sm90_reason,
+                  stop_using, store_output)
 
 
 def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
@@ -375,18 +375,12 @@ def _self_test(device: torch.device) -> Optional[str]:
                                   (100, 200, 1024, torch.float16), (80, 200, 1664, torch.bfloat16)), device)
 
 
-def _device_reason(index: int) -> Optional[str]:
-    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
-        return "the wgmma path needs an sm_90 (Hopper) NVIDIA GPU"
-    return None
-
-
 def ready(device: torch.device) -> Optional[str]:
     """None when ``device`` is an sm_90 GPU on which the kernel compiled and
     passed its self-test (decided once per device), otherwise why not (with a
     warning, once, when the self-test failed)."""
     index = _index(device)
-    return decide_once(_READY, index, lambda: _device_reason(index), _self_test, "the wgmma path")
+    return decide_once(_READY, index, lambda: sm90_reason(index, "the wgmma path"), _self_test, "the wgmma path")
 
 
 def disable(device: torch.device, reason: str) -> None:

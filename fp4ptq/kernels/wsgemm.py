@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, aligned_operands, decide_once,
-                  decode_line, product_check, stop_using)
+                  decode_line, product_check, sm90_reason, stop_using)
 
 # the four decoded registers (codes (p, p + 4) in register p) -> natural pairs (0, 1), (2, 3), (4, 5), (6, 7):
 # prmt 0x5410 takes both low halves, 0x7632 both high halves (first operand in the low half)
@@ -127,7 +127,6 @@ def _issue_scales(s_desc, s_ring, s_ready, g, off_n):
 def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
              off_n, k_steps):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
-    BN: gl.constexpr = w_ring.type.shape[1]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     BSTAGES: gl.constexpr = b_ring.type.shape[0]
     G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
@@ -362,6 +361,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 
 
 _READY: dict = {}
+_LABEL = "the warp-specialized path"
 
 
 def _self_test(device: torch.device) -> Optional[str]:
@@ -370,23 +370,17 @@ def _self_test(device: torch.device) -> Optional[str]:
                                   (200, 300, 1280, torch.float16)), device)
 
 
-def _device_reason(index: int) -> Optional[str]:
-    if index < 0 or getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(index) != (9, 0):
-        return "the warp-specialized path needs an sm_90 (Hopper) NVIDIA GPU"
-    return None
-
-
 def ready(device: torch.device) -> Optional[str]:
     """None when ``device`` is an sm_90 GPU on which the kernel compiled and
     passed its self-test (decided once per device), otherwise why not (with a
     warning, once, when the self-test failed)."""
     index = _index(device)
-    return decide_once(_READY, index, lambda: _device_reason(index), _self_test, "the warp-specialized path")
+    return decide_once(_READY, index, lambda: sm90_reason(index, _LABEL), _self_test, _LABEL)
 
 
 def disable(device: torch.device, reason: str) -> None:
     """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
-    stop_using(_READY, _index(device), reason, "the warp-specialized path")
+    stop_using(_READY, _index(device), reason, _LABEL)
 
 
 __all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "matmul",
