@@ -89,3 +89,20 @@ def run_ptx_regs(asm: str, inputs: dict) -> dict:
             raise AssertionError(f"emulator: no {op}")
         regs[dst] = out & 0xFFFFFFFF
     return regs
+
+
+def sample_words_and_scales(n: int = 4096, seed: int = 0):
+    """Test data for the decoders: ``n`` random words of 8 E2M1 codes (the first two hold every code
+    once), their reference values ``[n, 8]`` (float64), and one E4M3 scale a word (float64) with zero,
+    subnormal, unit and the largest scales among the first eight."""
+    from fp4ptq import nvfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])
+    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1)
+    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()
+    sbytes = torch.randint(0, 127, (n,), generator=gen, dtype=torch.int64)
+    sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])
+    return words, ref, sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+

@@ -593,31 +593,33 @@ def test_a_failed_automatic_mma_launch_falls_back_to_the_tiled_gemm(tk, monkeypa
 
 
 @interpreted
-def test_a_failed_automatic_wgmma_launch_falls_back_to_dequantize_and_cublas(tk, monkeypatch):
-    """wgmma is the automatic W4A16 choice for 65 <= M <= 128 on sm_90: if its launch fails
-    there, the call returns what dequantize + cuBLAS gives, warns, and the kernel is not used
-    again on that device; an explicitly requested path="wgmma" raises instead."""
+@pytest.mark.parametrize("path,m", [("wgmma", 70), ("wsgemm", 200)])
+def test_a_failed_automatic_sm90_launch_falls_back_to_dequantize_and_cublas(tk, monkeypatch, path, m):
+    """wgmma (65 <= M <= 128) and wsgemm (129 <= M <= 1024) are automatic W4A16 choices on sm_90: if
+    the launch fails there, the call returns what dequantize + cuBLAS gives, warns, and the kernel is
+    not used again on that device; an explicitly requested path raises instead."""
     _, gm = tk
-    wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
-    monkeypatch.setattr(wgmma, "_READY", {})
-    monkeypatch.setattr(wgmma, "_index", lambda device: -1)
-    monkeypatch.setattr(gm, "_auto_path", lambda m, *a, **k: "wgmma" if wgmma._READY.get(-1) is None else "cublas")
+    kernel = pytest.importorskip(f"fp4ptq.kernels.{path}")
+    monkeypatch.setattr(kernel, "_READY", {})
+    monkeypatch.setattr(kernel, "_index", lambda device: -1)
+    monkeypatch.setattr(gm, "_auto_path", lambda m, *a, **k: path if kernel._READY.get(-1) is None else "cublas")
 
     def broken(*a, **k):
         raise RuntimeError("out of resources")
 
-    monkeypatch.setattr(wgmma, "matmul", broken)
+    monkeypatch.setattr(kernel, "matmul", broken)
     g = torch.Generator().manual_seed(4)
     w = nvfp4.quantize(torch.randn(48, 256, generator=g))
-    x = torch.randn(70, 256, generator=g).bfloat16()
+    x = torch.randn(m, 256, generator=g).bfloat16()
     want = gm.linear_w4a16(x, w, path="cublas")
     with pytest.warns(UserWarning, match="not used on cuda:-1 any more"):
         got = gm.linear_w4a16(x, w)
-    assert torch.equal(got, want) and "out of resources" in wgmma._READY[-1]
+    assert torch.equal(got, want) and "out of resources" in kernel._READY[-1]
+    assert f"M={m}, N=48, K=256" in kernel._READY[-1]
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the dispatch now skips wgmma on that device: no second warning
+        warnings.simplefilter("error")  # the dispatch now skips the kernel on that device: no second warning
         assert torch.equal(gm.linear_w4a16(x, w), want)
     with pytest.raises(ValueError, match="CUDA only"):  # asked for by name: the guard's reason
-        gm.linear_w4a16(x, w, path="wgmma")
+        gm.linear_w4a16(x, w, path=path)

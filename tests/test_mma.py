@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 mma = pytest.importorskip("fp4ptq.kernels.mma")
 from compile_target import compile_for  # noqa: E402
+from ptx_emulator import _halves, _prmt, sample_words_and_scales  # noqa: E402
 from fp4ptq.kernels import gemm  # noqa: E402
 
 
@@ -32,16 +33,6 @@ def _shl(w: torch.Tensor, amount: int) -> torch.Tensor:
     return _u32(w << amount) if amount >= 0 else w >> (-amount)
 
 
-def _int16(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= 32768, v - 65536, v)
-
-
-def _halves(r: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    lo = _int16(r & 0xFFFF).to(torch.int16).view(dtype).double()
-    hi = _int16((r >> 16) & 0xFFFF).to(torch.int16).view(dtype).double()
-    return lo, hi
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_decode_bit_moves_give_every_code_times_its_scale(fmt):
     """Register p of a word holds codes p and p + 4 as ``v * 2^-126`` (bf16) or
@@ -51,14 +42,7 @@ def test_decode_bit_moves_give_every_code_times_its_scale(fmt):
     shifts, mag_mask, dtype, place, s_pow, out_pow = {
         "bf16": (mma.DECODE_SHIFTS, mma.MAG_MASK, torch.bfloat16, 2.0**126, 2.0**100, 2.0**-26),
         "fp16": (mma.DECODE_SHIFTS_F16, mma.MAG_MASK_F16, torch.float16, 2.0**14, 1.0, 2.0**-14)}[fmt]
-    gen = torch.Generator().manual_seed(0)
-    words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
-    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every code once
-    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1)
-    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()  # [n, 8]
-    sbytes = torch.randint(0, 127, (4096,), generator=gen, dtype=torch.int64)
-    sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])
-    scale = sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    words, ref, scale = sample_words_and_scales()
     s_op = (scale * s_pow).to(dtype).double()
     assert torch.equal(s_op, scale * s_pow)  # the scale operand is exact
     for p, (mag, sign) in enumerate(shifts):
@@ -67,14 +51,6 @@ def test_decode_bit_moves_give_every_code_times_its_scale(fmt):
         assert torch.equal(lo * place, ref[:, p]) and torch.equal(hi * place, ref[:, p + 4]), p
         prod = (lo * s_op).to(dtype).double()  # mul.rn on the pair: exact, so no rounding to model
         assert torch.equal(prod, ref[:, p] * scale * out_pow), p
-
-
-def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = torch.zeros_like(a)
-    for byte in range(4):
-        out |= pool[(sel >> (4 * byte)) & 0x7] << (8 * byte)
-    return out
 
 
 def test_activation_pairing_matches_the_decode_order():

@@ -236,17 +236,12 @@ def test_product_check_compares_with_the_reference_decode():
     assert msg.startswith("self-test error 1.00e+00 at M=5, N=24, K=64")
 
 
-def test_dispatch_takes_wgmma_for_65_to_128_rows(monkeypatch):
+def test_dispatch_takes_wgmma_for_65_to_128_rows(monkeypatch, sm90_dispatch):
     from fp4ptq.kernels import gemm
 
     cpu = torch.device("cpu")
     assert "CUDA only" in gemm.wgmma_unavailable_reason(128, 4096, 4096, torch.bfloat16, cpu)
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gemm, "INTERPRET", False)
-    monkeypatch.setattr(wgmma, "ready", lambda device: None)  # its self-test passed on that device
-    monkeypatch.setattr(mma, "ready", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(gemm, "_sm_count", lambda device: 132)  # (the wsgemm rule asks it from M = 129)
+    cuda = sm90_dispatch
     for m in (65, 100, 128):
         assert gemm._auto_path(m, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
         assert gemm._auto_path(m, torch.float16, False, 4096, cuda, 4096) == "wgmma"

@@ -19,9 +19,9 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
-from fp4ptq.kernels import gemm, mma, wgmma  # noqa: E402
+from fp4ptq.kernels import gemm, mma  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, run_ptx_regs  # noqa: E402
+from ptx_emulator import _halves, run_ptx_regs, sample_words_and_scales  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -31,14 +31,7 @@ def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
     asm, dtype, s_pow, out_pow = {
         "bf16": (ws._DECODE.value, torch.bfloat16, 2.0**100, 2.0**-26),
         "fp16": (ws._DECODE_F16.value, torch.float16, 1.0, 2.0**-14)}[fmt]
-    gen = torch.Generator().manual_seed(0)
-    words = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
-    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98])  # every code once
-    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1)
-    ref = nvfp4.e2m1_decode(codes.to(torch.uint8)).double()  # [n, 8]
-    sbytes = torch.randint(0, 127, (4096,), generator=gen, dtype=torch.int64)
-    sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])  # zero, subnormals, 1, the largest
-    scale = sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    words, ref, scale = sample_words_and_scales()
     s16 = (scale * s_pow).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     pair = s16 | (s16 << 16)
     regs = run_ptx_regs(asm, {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}})
@@ -124,14 +117,8 @@ def test_check_config_refuses_what_does_not_fit():
     assert ws.check_config((256, 128, 32, 4, 2, 4, 128, 168))
 
 
-def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch):
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gemm, "INTERPRET", False)
-    monkeypatch.setattr(ws, "ready", lambda device: None)  # its self-test passed on that device
-    monkeypatch.setattr(wgmma, "ready", lambda device: None)
-    monkeypatch.setattr(mma, "ready", lambda device: None)
-    monkeypatch.setattr(gemm, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
+    cuda = sm90_dispatch
     for dt in (torch.bfloat16, torch.float16):
         for w4a4 in (False, True):
             assert gemm._auto_path(1024, dt, w4a4, 4096, cuda, 28672) == "wsgemm"
@@ -169,26 +156,3 @@ def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
     assert "sm_90" in ws.ready(torch.device("cuda", 0)) and not called
     assert "sm_90" in ws.ready(torch.device("cpu"))
 
-
-@pytest.mark.parametrize("module", [ws, wgmma])
-def test_a_failed_launch_of_a_picked_sm90_kernel_falls_back_to_dequantize_and_cublas(monkeypatch, module):
-    """gemm.py's one launch block for the sm_90 Gluon kernels: when the shape rules picked the kernel
-    and its launch fails, the kernel is disabled on that device (with the reason) and the call
-    returns the dequantize + matmul result; an explicit request for it raises instead."""
-    path = "wsgemm" if module is ws else "wgmma"
-    w = nvfp4.quantize(torch.randn(96, 512, generator=torch.Generator().manual_seed(0)))
-    x = torch.randn(200, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
-
-    def failing(*args, **kwargs):
-        raise RuntimeError("launch failed")
-
-    disabled = []
-    monkeypatch.setattr(module, "matmul", failing)
-    monkeypatch.setattr(module, "disable", lambda device, reason: disabled.append(reason))
-    # the CPU stand-in for the dequantize kernel: the reference decode it is bit-identical to
-    monkeypatch.setattr(gemm, "dequantize", lambda weight, dtype, unit_global=False: weight.dequantize(dtype))
-    y = gemm._matmul(x, w, None, path=path, picked=True)
-    assert torch.equal(y, torch.mm(x, w.dequantize(torch.bfloat16).t()))
-    assert len(disabled) == 1 and "launch failed" in disabled[0] and "M=200, N=96, K=512" in disabled[0]
-    with pytest.raises(ValueError, match="CUDA only"):  # asked for by name: the guard answers first
-        gemm._matmul(x, w, None, path=path)
