@@ -5,7 +5,10 @@ Llama-3.1 8B / 70B layers, W4A4 at M = 1024, and tile variants in interleaved ro
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_h200.py   # $OUT/wsgemm_h200.json
 
 Knobs: MS (rows, default 256,512,1024,2048,8192), ROUNDS (3), VARIANTS ("" skips the variant sweep),
-WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds).
+WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds), PHASES (comma-separated,
+default "checks,rows,variants"; "split" times the split tail (``wsgemm.plan``) against whole tiles and
+dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 through wsgemm against the
+cuBLAS W4A4 path at M = 1536..8192).
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ VARIANTS = {"x4b3": (256, 128, 64, 4, 3, 4, 128, 168), "dec8": (256, 128, 64, 4,
             "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128)}
 if os.environ.get("VARIANTS") == "":
     VARIANTS = {}
+PHASES = os.environ.get("PHASES", "checks,rows,variants").split(",")
 out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("WS_JSON", "wsgemm_h200.json"))
 res = {"env": peers.env(), "default": list(wsgemm.DEFAULT_CONFIG), "ready": None, "checks": [], "rows": [],
-       "w4a4": [], "variants": []}
+       "w4a4": [], "variants": [], "split": [], "w4a4big": []}
 
 
 def save():
@@ -54,6 +58,15 @@ def rel(y, ref):
     return float((y.float() - ref.float()).norm() / ref.float().norm())
 
 
+def interleaved(fns: dict) -> dict:
+    """Median us a call of each function, timed in ROUNDS interleaved rounds."""
+    times = {}
+    for _ in range(ROUNDS):
+        for label, fn in fns.items():
+            times.setdefault(label, []).append(peers.bench(fn) * 1e3)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
 res["ready"] = wsgemm.ready(dev)
 print("ready:", res["ready"], f"{time.time() - T0:.1f}s", flush=True)
 save()
@@ -61,8 +74,11 @@ g = torch.Generator(device=dev).manual_seed(0)
 # correctness: odd shapes, fp16, bias, W4A4, and the six layers at M = 1024
 checks = [(300, 520, 1024, torch.bfloat16, False), (129, 256, 256, torch.bfloat16, True),
           (1000, 1000, 1280, torch.float16, True), (2048, 4096, 4096, torch.bfloat16, False),
-          (4100, 6144, 4096, torch.bfloat16, True)]
-for m, n, k, dt, bias in checks:
+          (4100, 6144, 4096, torch.bfloat16, True),
+          # split tails (plan): all tiles in 4 K ranges; 8B qkv's tail in 2 (bias) and in 4 (fp16)
+          (300, 520, 4096, torch.bfloat16, True), (1024, 6144, 4096, torch.bfloat16, True),
+          (768, 6144, 4096, torch.float16, True), (1000, 6100, 4096, torch.bfloat16, True)]
+for m, n, k, dt, bias in (checks if "checks" in PHASES else []):
     w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
     x = torch.randn(m, k, device=dev, generator=g).to(dt)
     b = torch.randn(n, device=dev, generator=g).to(dt) if bias else None
@@ -70,8 +86,11 @@ for m, n, k, dt, bias in checks:
     y = torch.full((m, n), float("nan"), device=dev, dtype=dt)
     try:
         gm.linear_w4a16(x, w, b, path="wsgemm", out=y)
-        row = {"m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias, "rel_ref": rel(y, ref),
-               "rel_cublas": rel(y, gm.linear_w4a16(x, w, b, path="cublas"))}
+        row = {"m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias, "plan": wsgemm.plan(m, n, k),
+               "rel_ref": rel(y, ref), "rel_cublas": rel(y, gm.linear_w4a16(x, w, b, path="cublas"))}
+        whole = torch.full((m, n), float("nan"), device=dev, dtype=dt)
+        wsgemm.matmul(x, *gm._weight_views(w)[2:], None, b, whole, split=False)
+        row["rel_whole_tiles"] = rel(y, whole)
         amax = x.float().abs().amax()
         y4 = gm.linear_w4a4(x, w, amax, b, path="wsgemm")
         row["w4a4_rel_cublas"] = rel(y4, gm.linear_w4a4(x, w, amax, b, path="cublas"))
@@ -81,7 +100,7 @@ for m, n, k, dt, bias in checks:
     print(json.dumps(row), flush=True)
 save()
 
-for name, (n, k) in SHAPES.items():
+for name, (n, k) in (SHAPES.items() if "rows" in PHASES else []):
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
     wq = nvfp4.quantize(w)
     for m in MS:
@@ -91,13 +110,9 @@ for name, (n, k) in SHAPES.items():
         row = {"shape": name, "m": m}
         try:
             row["rel_cublas_path"] = rel(gm.linear_w4a16(x, wq, path="wsgemm"), gm.linear_w4a16(x, wq, path="cublas"))
-            times = {}
-            for _ in range(ROUNDS):
-                times.setdefault("cublas_bf16", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
-                times.setdefault("dequant_cublas", []).append(
-                    peers.bench(lambda: gm.linear_w4a16(x, wq, path="cublas")) * 1e3)
-                times.setdefault("wsgemm", []).append(peers.bench(lambda: gm.linear_w4a16(x, wq, path="wsgemm")) * 1e3)
-            row["median_us"] = {a: statistics.median(b) for a, b in times.items()}
+            row["median_us"] = interleaved({
+                "cublas_bf16": lambda: x @ w.t(), "dequant_cublas": lambda: gm.linear_w4a16(x, wq, path="cublas"),
+                "wsgemm": lambda: gm.linear_w4a16(x, wq, path="wsgemm")})
             row["ws_vs_cublas"] = row["median_us"]["cublas_bf16"] / row["median_us"]["wsgemm"]
             row["tflops"] = 2 * m * n * k / (row["median_us"]["wsgemm"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001
@@ -123,7 +138,7 @@ for name, (n, k) in SHAPES.items():
 
 shipped = wsgemm.config
 for name in ("8B.gate_up", "8B.o", "8B.down", "70B.down"):
-    if not VARIANTS or time.time() - T0 > BUDGET:
+    if not VARIANTS or "variants" not in PHASES or time.time() - T0 > BUDGET:
         break
     n, k = SHAPES[name]
     wq = nvfp4.quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02)
@@ -146,6 +161,71 @@ for name in ("8B.gate_up", "8B.o", "8B.down", "70B.down"):
     res["variants"].append(row)
     print(json.dumps(row), flush=True)
     save()
+
+def whole_tiles(x, wq, x_enc=None):
+    y = torch.empty(x.shape[0], wq.shape[0], device=dev, dtype=x.dtype)
+    return wsgemm.matmul(x, *gm._weight_views(wq)[2:], x_enc, None, y, split=False)
+
+
+# the split tail: every row where plan() splits (M = 129..1536 on the six layers), 3 interleaved rounds
+if "split" in PHASES:
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    todo = [(name, m) for m in (129, 256, 512, 768, 1024, 1536) for name, (n, k) in SHAPES.items()
+            if wsgemm.plan(m, n, k, sms)[1] > 1]
+    weights = {}
+    for name, m in todo:
+        if time.time() - T0 > BUDGET:
+            break
+        n, k = SHAPES[name]
+        if name not in weights:
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+            weights[name] = (w, nvfp4.quantize(w))
+        w, wq = weights[name]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k, sms), "fill_whole": wsgemm.wave_fill(m, n, sms),
+               "preferred": wsgemm.preferred(m, n, k, sms)}
+        try:
+            row["rel_whole"] = rel(gm.linear_w4a16(x, wq, path="wsgemm"), whole_tiles(x, wq))
+            row["median_us"] = mu = interleaved({
+                "cublas_bf16": lambda: x @ w.t(), "dequant_cublas": lambda: gm.linear_w4a16(x, wq, path="cublas"),
+                "wsgemm_whole": lambda: whole_tiles(x, wq),
+                "wsgemm_split": lambda: gm.linear_w4a16(x, wq, path="wsgemm")})
+            row["split_vs_cublas"] = mu["cublas_bf16"] / mu["wsgemm_split"]
+            row["split_vs_best_other"] = min(mu["dequant_cublas"], mu["wsgemm_whole"]) / mu["wsgemm_split"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["split"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+# W4A4 above M = 1024: wsgemm (the activations' global scale folded into its output factor) against the
+# cuBLAS W4A4 path (quantize, dequantize, cuBLAS, then a pass that scales the output)
+if "w4a4big" in PHASES:
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        wq = nvfp4.quantize(w)
+        for m in (1536, 2048, 4096, 8192):
+            if time.time() - T0 > BUDGET:
+                break
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            amax = x.float().abs().amax()
+            row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k)}
+            try:
+                row["rel_cublas_path"] = rel(gm.linear_w4a4(x, wq, amax, path="wsgemm"),
+                                             gm.linear_w4a4(x, wq, amax, path="cublas"))
+                row["median_us"] = mu = interleaved({
+                    "cublas_bf16": lambda: x @ w.t(),
+                    "w4a4_cublas_path": lambda: gm.linear_w4a4(x, wq, amax, path="cublas"),
+                    "w4a4_wsgemm": lambda: gm.linear_w4a4(x, wq, amax, path="wsgemm")})
+                row["wsgemm_time_over_cublas"] = mu["w4a4_wsgemm"] / mu["cublas_bf16"]
+                row["cublas_path_time_over_cublas"] = mu["w4a4_cublas_path"] / mu["cublas_bf16"]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:400]
+            res["w4a4big"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+            del x
+
 res["elapsed_s"] = time.time() - T0
 save()
 print("done", f"{res['elapsed_s']:.0f}s")

@@ -64,8 +64,8 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
               DEC_WARPS=dw, DEC_REGS=dr)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
-             "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}"}
-    return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym"), num_warps=8,
+             "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32"}
+    return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym", "n0"), num_warps=8,
                        maxnreg=maxnreg)
 
 
@@ -85,8 +85,9 @@ def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
     assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # the output in 16-byte stores (the accumulator layout alone gives 4-byte ones)
-    assert "st.global.v4" in ptx and not re.search(r"st\.global\.b(16|32)", ptx)
+    # the output in 16-byte stores (the accumulator layout alone gives 4-byte ones), the split tiles'
+    # fp32 partial sums in 8-byte pairs
+    assert "st.global.v4" in ptx and "st.global.v2.b32" in ptx and not re.search(r"st\.global\.b(16|32)", ptx)
     # the only global loads: the global scale(s) and the 16-bit bias, in the epilogue
     loads = [line for line in ptx.splitlines() if "ld.global" in line]
     assert len([line for line in loads if ".b16" not in line]) <= 1 + int(xenc), loads
@@ -94,20 +95,74 @@ def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
 
 
 def test_shape_rule_follows_the_measured_rows():
-    """results/wsgemm_h200_v4.json and wsgemm_h200_rule.json: ahead of dequantize + cuBLAS where the
-    tiles fill 80% of the SMs over their waves (wins filled 0.85-0.97, losses 0.73 or less), from M = 129 to 1024."""
+    """results/wsgemm_h200_rule.json and wsgemm_h200_split.json: ahead of (or level with) dequantize +
+    cuBLAS where whole tiles fill 80% of the SMs or the plan splits the last wave, from M = 129 to 1024;
+    W4A4 also at M = 1536..8192 where K <= 4096 and to 2048 where K is longer."""
     assert ws.preferred(1024, 28672, 4096) and ws.preferred(1024, 4096, 4096)  # 896 / 128 tiles
     assert ws.preferred(1024, 4096, 14336) and ws.preferred(1024, 57344, 8192) and ws.preferred(1024, 8192, 28672)
-    assert not ws.preferred(1024, 6144, 4096)  # 192 tiles on 132 SMs: 0.73 of two waves (0.85x measured)
+    # 8B qkv at M = 1024: 192 tiles; the last 60 in 2 K ranges (96.2 us against 99.0 and whole tiles' 109.2)
+    assert ws.preferred(1024, 6144, 4096) and ws.plan(1024, 6144, 4096)[:4] == (132, 2, 32, 33)
+    # 8B down at M = 256: 32 tiles in 4 K ranges, 59.8 us against 98.2 (whole tiles 171.8)
+    assert ws.preferred(256, 4096, 14336) and ws.plan(256, 4096, 14336)[1] == 4
     assert ws.preferred(512, 28672, 4096) and ws.preferred(512, 8192, 28672)
-    assert not ws.preferred(512, 4096, 4096) and not ws.preferred(768, 4096, 14336)
+    # whole tiles filling 0.73 and no split that pays for its summing: behind (8B o / down at 768)
+    assert ws.plan(768, 4096, 4096)[1] == 1 and not ws.preferred(768, 4096, 4096)
+    assert not ws.preferred(768, 4096, 14336)
     assert ws.preferred(256, 28672, 4096) and ws.preferred(129, 57344, 8192)
-    assert not ws.preferred(2048, 28672, 4096)  # behind at M = 2048 on every layer
+    assert not ws.preferred(2048, 28672, 4096)  # W4A16 behind from M = 1536 on most layers
+    assert ws.preferred(2048, 28672, 4096, w4a4=True) and ws.preferred(8192, 4096, 4096, w4a4=True)
+    assert ws.preferred(2048, 8192, 28672, w4a4=True) and not ws.preferred(4096, 8192, 28672, w4a4=True)
+    assert not ws.preferred(16384, 4096, 4096, w4a4=True)
     assert not ws.preferred(128, 28672, 4096)  # wgmma's rows
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     assert ws.wave_fill(1024, 6144) == pytest.approx(192 / 264)
     assert ws.wave_fill(1024, 4096, sms=128) == 1.0
+
+
+def _programs(m, n, k, sms):
+    """The kernel's program -> (tile, first K step, steps) map, as ``_ws_kernel`` computes it."""
+    full, splits, chunk, nt0, _ = ws.plan(m, n, k, sms)
+    bm, bn, bk = ws.DEFAULT_CONFIG[:3]
+    tiles, steps = -(-m // bm) * -(-n // bn), k // bk
+    out = []
+    for pid in range(full + (tiles - full) * splits):
+        t, part = (pid, 0) if pid < full else (full + (pid - full) // splits, (pid - full) % splits)
+        k0 = part * chunk
+        out.append((t, k0, min(steps - k0, chunk if pid >= full else steps)))
+    return out, (full, splits, chunk, nt0), tiles, steps
+
+
+@pytest.mark.parametrize("m,n,k,sms", [(1024, 6144, 4096, 132), (256, 4096, 14336, 132), (300, 520, 4096, 132),
+                                       (768, 6144, 4096, 132), (1000, 6100, 4096, 132), (129, 57344, 8192, 132),
+                                       (4100, 6144, 4096, 132), (1024, 6144, 4096, 114), (700, 3000, 5120, 78)])
+def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms):
+    """Every (tile, K step) is computed by exactly one program; split K ranges are whole scale groups
+    (256 K) of at least MIN_PART_STEPS steps; the split tiles are whole weight-tile columns from nt0 on
+    (the partial-sum workspace is [splits, M, N - nt0 * BN]), placed after the whole tiles."""
+    progs, (full, splits, chunk, nt0), tiles, steps = _programs(m, n, k, sms)
+    num_m = -(-m // ws.DEFAULT_CONFIG[0])
+    covered = {}
+    for t, k0, ks in progs:
+        assert ks >= 1 and 0 <= k0 and k0 + ks <= steps
+        for j in range(k0, k0 + ks):
+            assert (t, j) not in covered
+            covered[(t, j)] = True
+    assert len(covered) == tiles * steps
+    assert full == nt0 * num_m or splits == 1
+    if splits > 1:
+        assert chunk % 4 == 0 and chunk >= ws.MIN_PART_STEPS and -(-steps // chunk) == splits
+        assert all(t >= full for t, k0, ks in progs[full:]) and all(ks == steps for _, _, ks in progs[:full])
+
+
+def test_plan_splits_only_where_the_model_saves_time():
+    """Full waves stay whole (8B gate_up at M = 1024: 896 tiles, 0.97 fill); a split must beat whole
+    tiles by MIN_SPLIT_GAIN in the model, summing included; fewer SMs change the plan."""
+    assert ws.plan(1024, 28672, 4096)[1] == 1 and ws.plan(1024, 4096, 4096)[1] == 1
+    assert ws.plan(1024, 6144, 4096, 192)[1] == 1  # 192 tiles on 192 SMs: one full wave
+    whole = ws._span(192, 192, 1, 64, 64, 132, ws.PROGRAM_STEPS)
+    split = ws._span(192, 132, 2, 32, 64, 132, ws.PROGRAM_STEPS)
+    assert whole == 2 * (64 + ws.PROGRAM_STEPS) and split == (64 + ws.PROGRAM_STEPS) + (32 + ws.PROGRAM_STEPS)
 
 
 def test_check_config_refuses_what_does_not_fit():
@@ -122,8 +177,11 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
     for dt in (torch.bfloat16, torch.float16):
         for w4a4 in (False, True):
             assert gemm._auto_path(1024, dt, w4a4, 4096, cuda, 28672) == "wsgemm"
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 6144) == "cublas"  # a partial wave
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 6144) == "wsgemm"  # its split tail
+    assert gemm._auto_path(768, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"  # a partial wave
     assert gemm._auto_path(2048, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    assert gemm._auto_path(2048, torch.bfloat16, True, 4096, cuda, 28672) == "wsgemm"  # W4A4
+    assert gemm._auto_path(8192, torch.bfloat16, True, 28672, cuda, 8192) == "cublas"
     assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
     assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
     monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0

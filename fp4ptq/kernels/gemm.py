@@ -12,8 +12,8 @@ the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 (``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128), ``wsgemm`` the warp-specialized Gluon
-GEMM (``wsgemm.py``, sm_90, 129 <= M <= 1024 where its tiles fill the SMs, K % 256 == 0 and
-K >= 4096),
+GEMM (``wsgemm.py``, sm_90, 129 <= M <= 1024, W4A4 to 2048 or 8192, where its tiles fill the SMs
+or its split tail does, K % 256 == 0 and K >= 4096),
 ``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
 its self-test passed). Timings: benchmarks/results/kernels_h200.md.
@@ -686,8 +686,9 @@ MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
-# The warp-specialized Gluon kernel (wsgemm.py) for 129 <= M <= 1024 where its tiles fill the SMs
-# (wsgemm.preferred; results/wsgemm_h200_v4.json, wsgemm_h200_rule.json). FP4PTQ_WSGEMM=0 turns it off.
+# The warp-specialized Gluon kernel (wsgemm.py) from M = 129 where its tiles fill the SMs or its split
+# tail does (wsgemm.preferred; results/wsgemm_h200_rule.json, wsgemm_h200_split.json). FP4PTQ_WSGEMM=0
+# turns it off.
 WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
@@ -973,7 +974,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     if sm90_ok("wgmma", WGMMA, lambda mod: mod.preferred(m, n, k)):
         return "wgmma"
     if sm90_ok("wsgemm", WSGEMM,  # (the SM count asked only for its rows)
-               lambda mod: mod.MIN_M <= m <= mod.MAX_M and mod.preferred(m, n, k, _sm_count(device))):
+               lambda mod: mod.MIN_M <= m and mod.preferred(m, n, k, _sm_count(device), w4a4)):
         return "wsgemm"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 

@@ -25,6 +25,12 @@ side by side, joined by mbarrier rings:
   one MMA in flight, release each step's slots when its MMA completed, and
   write the output (rounded once, re-laid out for 16-byte stores).
 
+Where the last wave of tiles would leave SMs idle (Llama-3.1 8B qkv at
+M = 1024: 192 tiles on 132 SMs), ``plan`` cuts the tail's tiles into 2-4 K
+ranges run by programs of their own, which write fp32 partial sums; a second
+launch adds them in order (a cost model of the SMs' time picks the cut; it
+predicted 8B qkv's 109 -> 96 us within 1%).
+
 Three things the H200 runs showed (NOTES, ninth pass): the decoder must not
 refill the ring slot the consumers free last (it would wait for each MMA
 before the next decode); no global load may be in flight at the decoder's
@@ -38,7 +44,9 @@ one correctly rounded factor, then the bias. So the result equals the other
 kernels' up to the order of the fp32 sums.
 
 Measured (table run 10, results/kernels_h200.md): 0.88-0.90x cuBLAS bf16 at
-M = 1024 on five Llama-3.1 layers, W4A4 1.08-1.29x cuBLAS's time. The dispatch
+M = 1024 on five Llama-3.1 layers, W4A4 1.08-1.29x cuBLAS's time; with the
+split tail 8B qkv 0.85x and, at M = 129..512, 1.07-1.64x dequantize + cuBLAS
+(results/wsgemm_h200_split.json). The dispatch
 uses it only where ``preferred`` (its measured rows) and after ``ready(device)``
 (sm_90, a self-test on the device) answered None. CPU tests (tests/test_wsgemm.py)
 run the decoder's PTX in an emulator, check the shape rule and compile the
@@ -46,6 +54,8 @@ kernel for sm_90; GPU checks and timings: benchmarks/wsgemm_h200.py.
 """
 from __future__ import annotations
 
+import functools
+import heapq
 from typing import Optional
 
 import torch
@@ -100,32 +110,33 @@ def _spread(v, n: gl.constexpr):
 
 
 @gluon.jit
-def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n):
-    """TMA copies of K step ``j``'s activation tile and code words into ring slot ``j % XSTAGES``,
-    once the consumers released the slot's previous activations (the decoder, the slot's only
-    other reader, read its words two or more steps ago)."""
+def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0, off_m, off_n):
+    """TMA copies of K step ``k0 + j``'s activation tile and code words into ring slot ``j % XSTAGES``
+    (``j`` counts this program's steps), once the consumers released the slot's previous activations
+    (the decoder, the slot's only other reader, read its words two or more steps ago)."""
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     s = j % XSTAGES
     mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
     mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    _tma_load(x_desc, [off_m, j * BK], ready.index(s), x_ring.index(s))
-    _tma_load(w_desc, [off_n, j * (BK // 8)], ready.index(s), w_ring.index(s))
+    _tma_load(x_desc, [off_m, (k0 + j) * BK], ready.index(s), x_ring.index(s))
+    _tma_load(w_desc, [off_n, (k0 + j) * (BK // 8)], ready.index(s), w_ring.index(s))
 
 
 @gluon.jit
-def _issue_scales(s_desc, s_ring, s_ready, g, off_n):
-    """TMA copy of scale group ``g`` (the ``[BN, 16]`` scale bytes of ``16 / (BK / 16)`` K steps) into
-    scale slot ``g % 2``; that slot's previous group was read (and fenced) steps before."""
+def _issue_scales(s_desc, s_ring, s_ready, g, g0, off_n):
+    """TMA copy of scale group ``g0 + g`` (the ``[BN, 16]`` scale bytes of ``16 / (BK / 16)`` K steps;
+    ``g`` counts this program's groups) into scale slot ``g % 2``; that slot's previous group was read
+    (and fenced) steps before."""
     G16: gl.constexpr = s_ring.type.shape[2]
     slot = g % 2
     mbarrier.expect(s_ready.index(slot), s_desc.block_type.nbytes)
-    _tma_load(s_desc, [off_n, g * G16], s_ready.index(slot), s_ring.index(slot))
+    _tma_load(s_desc, [off_n, (g0 + g) * G16], s_ready.index(slot), s_ring.index(slot))
 
 
 @gluon.jit
 def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
-             off_n, k_steps):
+             off_n, k0, k_steps):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     BSTAGES: gl.constexpr = b_ring.type.shape[0]
@@ -138,13 +149,15 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
     dl: gl.constexpr = gl.BlockedLayout([1, BK], [32, 1], [DW, 1], [1, 0])
     # Everything this partition reads comes by TMA: no global load is outstanding at the proxy fences
     # (they compile to MEMBAR.ALL.CTA, which would wait for it)
-    _issue_scales(s_desc, s_ring, s_ready, 0, off_n)
+    # this program's K steps k0 .. k0 + k_steps - 1 (k0 a multiple of G: whole scale groups)
+    g0 = k0 // G
+    _issue_scales(s_desc, s_ring, s_ready, 0, g0, off_n)
     for j in gl.static_range(XSTAGES - 2):
         if j < k_steps:
-            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, off_m, off_n)
+            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0, off_m, off_n)
     for g in range(gl.cdiv(k_steps, G)):
         if (g + 1) * G < k_steps:
-            _issue_scales(s_desc, s_ring, s_ready, g + 1, off_n)
+            _issue_scales(s_desc, s_ring, s_ready, g + 1, g0, off_n)
         mbarrier.wait(s_ready.index(g % 2), (g // 2) & 1)
         for j in gl.static_range(G):
             i = g * G + j
@@ -177,7 +190,8 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
                 # waited for MMA i - 1 every step, so step i + 1's decode started only when MMA i did;
                 # before step i's decode it would deadlock.)
                 if i + XSTAGES - 2 < k_steps:
-                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2, off_m, off_n)
+                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2, k0, off_m,
+                                 off_n)
 
 
 @gluon.jit
@@ -202,7 +216,8 @@ def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.
 
 
 @gluon.jit
-def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, k_steps,
+def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, k_steps,
+               full_tiles, splits, k_chunk, n0,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
                DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
@@ -210,8 +225,19 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N
     F16: gl.constexpr = dtype == gl.float16
     num_m = gl.cdiv(M, BM)
     pid = gl.program_id(0)
-    off_m = (pid % num_m) * BM  # the row tiles of one weight tile run side by side: its codes come from HBM once
-    off_n = (pid // num_m) * BN
+    # Programs below ``full_tiles`` take a whole tile; the rest (the tail that would leave SMs idle in
+    # the last wave) take K range ``part`` of ``splits`` of a tile (``k_chunk`` steps, whole scale
+    # groups) and write fp32 partial outputs to ``part_ptr`` [splits, M, N - n0], summed by a second
+    # launch. Split tiles are whole weight-tile columns from column ``n0`` on (``plan``).
+    t = pid
+    part = pid * 0
+    if pid >= full_tiles:
+        t = full_tiles + (pid - full_tiles) // splits
+        part = (pid - full_tiles) % splits
+    k0 = part * k_chunk
+    ks = gl.minimum(k_steps - k0, gl.where(pid >= full_tiles, k_chunk, k_steps))
+    off_m = (t % num_m) * BM  # the row tiles of one weight tile run side by side: its codes come from HBM once
+    off_n = (t // num_m) * BN
 
     x_ring = gl.allocate_shared_memory(dtype, [XSTAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.int32, [XSTAGES, BN, BK // 8], w_desc.layout)
@@ -234,9 +260,9 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N
     fence_async_shared()
 
     acc = gl.warp_specialize([
-        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM, BN, XSTAGES, BSTAGES, WARPS)),
+        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
-                    off_m, off_n, k_steps)),
+                    off_m, off_n, k0, ks)),
     ], [DEC_WARPS], [DEC_REGS])[0]
 
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -250,16 +276,24 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N
         y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
     mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
     no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
-    if HAS_BIAS:
-        y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
-    # rounded once into the output dtype, then re-laid out so a thread stores 8 consecutive outputs (16
-    # bytes) and a warp whole rows: the accumulator layout stores 4-byte pairs (half of each sector wasted)
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])
-    yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
-    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    ok = (mo < M)[:, None] & (no < N)[None, :]
-    gl.store(y_ptr + mo[:, None].to(gl.int64) * stride_ym + no[None, :], yo, mask=ok)
+    if pid >= full_tiles:
+        # an fp32 partial sum, scaled, without the bias (added once by the summing launch); a thread's
+        # pairs of 4-byte outputs fill whole 32-byte sectors, so the accumulator layout stores it
+        ns = N - n0
+        ok = (mo < M)[:, None] & (no < N)[None, :]
+        prow = (part * M + mo).to(gl.int64) * ns
+        gl.store(part_ptr + prow[:, None] + (no - n0)[None, :], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
+        # rounded once into the output dtype, then re-laid out so a thread stores 8 consecutive outputs (16
+        # bytes) and a warp whole rows: the accumulator layout stores 4-byte pairs (half of each sector wasted)
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])
+        yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
+        mo_s = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+        no_s = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+        ok_s = (mo_s < M)[:, None] & (no_s < N)[None, :]
+        gl.store(y_ptr + mo_s[:, None].to(gl.int64) * stride_ym + no_s[None, :], yo, mask=ok_s)
 
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
@@ -284,8 +318,71 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 # 446.2).
 MIN_M, MAX_M = 129, 1024
 MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
+# W4A4 (results/wsgemm_h200_split.json, "w4a4big"): the cuBLAS path also scales its output in a second
+# pass, so this kernel stays ahead further: at M = 1536..8192 on the K = 4096 layers (8B o at 8192: 530
+# against 543 us), at M = 1536 / 2048 on the others (70B down level: 1227 / 1599 against 1222 / 1590),
+# and behind from M = 4096 where K >= 8192 (70B down at 8192: 6983 against 5970)
+MAX_M_W4A4, MAX_M_W4A4_LONG_K = 8192, 2048
 # the measured layers' K (4096-28672); with fewer K steps the ring's fill and the epilogue take a larger share
 MIN_K = 4096
+
+# The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
+# PROGRAM_STEPS steps beside its own; the summing launch about SUM_STEPS plus one step per SUM_BYTES_A_STEP
+# bytes it and the partial stores move (H200: a 256 x 128 x 64 step takes about 0.85 us on an SM, the
+# summing kernel streams about 3 TB/s and costs 2-3 us to launch). A split part keeps at least
+# MIN_PART_STEPS steps and whole scale groups (256 K).
+PROGRAM_STEPS = 4
+SUM_STEPS = 3
+SUM_BYTES_A_STEP = 2.5e6
+MIN_PART_STEPS = 16
+MAX_SPLITS = 4
+MIN_SPLIT_GAIN = 0.95  # split only where the model predicts 5% less time
+
+
+def _span(tiles: int, full: int, parts: int, chunk: int, steps: int, sms: int, over: float) -> float:
+    """When the last SM finishes (in K steps): programs start in grid order, each on the SM that is free
+    first; ``full`` whole tiles, then ``parts`` programs for each of the other tiles; every program
+    costs ``over`` steps beside its own."""
+    per_sm, extra = divmod(full, sms)
+    heap = [(per_sm + (i < extra)) * (steps + over) for i in range(sms)]
+    heapq.heapify(heap)
+    split = [chunk] * (parts - 1) + [steps - chunk * (parts - 1)]
+    for _ in range(tiles - full):
+        for c in split:
+            heapq.heapreplace(heap, heap[0] + c + over)
+    return max(heap)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) -> tuple:
+    """How the tiles go to programs: ``(full_tiles, splits, k_chunk, nt0, fill)``. The tiles of weight
+    columns ``nt0`` on are cut into ``splits`` K ranges of ``k_chunk`` steps each (summed in fp32 by a
+    second launch) when the cost model above predicts 5% less time than whole tiles, whose last wave
+    would leave SMs idle (Llama-3.1 8B qkv at M = 1024: 192 tiles on 132 SMs). ``fill``: the work over the SMs' time with the
+    summing counted as SM time (for whole tiles, the wave fill)."""
+    bm, bn, bk = cfg[:3]
+    num_m, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    tiles, steps = num_m * n_tiles, k // bk
+    group = max(1, 256 // bk)  # K steps a scale group covers
+    best = (tiles, 1, steps, n_tiles, 0.0)
+    best_cost = MIN_SPLIT_GAIN * _span(tiles, tiles, 1, steps, steps, sms, PROGRAM_STEPS)
+    for full_waves in sorted({max(0, tiles // sms - 1), tiles // sms}):
+        nt0 = min(n_tiles, full_waves * sms // num_m)
+        full = nt0 * num_m
+        for splits in range(2, MAX_SPLITS + 1):
+            chunk = triton.cdiv(triton.cdiv(steps, splits), group) * group
+            parts = triton.cdiv(steps, chunk)
+            if full == tiles or parts < 2 or chunk < MIN_PART_STEPS:
+                continue
+            # the partial sums written and read in fp32, the output written once
+            moved = m * (min(n, n_tiles * bn) - nt0 * bn) * (8 * parts + 2)
+            summing = SUM_STEPS + moved / SUM_BYTES_A_STEP
+            cost = _span(tiles, full, parts, chunk, steps, sms, PROGRAM_STEPS) + summing
+            if cost < best_cost:
+                best, best_cost = (full, parts, chunk, nt0, summing), cost
+    full, parts, chunk, nt0, summing = best
+    fill = tiles * steps / (sms * (_span(tiles, full, parts, chunk, steps, sms, 0) + summing))
+    return full, parts, chunk, nt0, fill
 
 
 def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
@@ -295,11 +392,16 @@ def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
     return tiles / (triton.cdiv(tiles, sms) * sms)
 
 
-def preferred(m: int, n: int, k: int, sms: int = 132) -> bool:
-    """The shape rule for the dispatch: 129 <= M <= 1024, K % 256 == 0 and K >= 4096, and tiles that fill
-    at least 80% of the SMs over their waves (after ``ready(device)`` answered None)."""
-    return (MIN_M <= m <= MAX_M and k >= MIN_K and supports(m, n, k)
-            and wave_fill(m, n, sms) >= MIN_WAVE_FILL)
+def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
+    """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
+    K >= 4096, M from 129 to 1024 (W4A4: to 2048, and to 8192 where K <= 4096), and a ``plan`` that
+    either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
+    (results/wsgemm_h200_split.json: ahead of or level with the path it replaces on every such row)."""
+    top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
+    if not (MIN_M <= m <= top and k >= MIN_K and supports(m, n, k)):
+        return False
+    _, splits, _, _, fill = plan(m, n, k, sms)
+    return splits > 1 or fill >= MIN_WAVE_FILL
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -322,11 +424,12 @@ def check_config(cfg: tuple) -> Optional[str]:
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
-    (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None."""
+    (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
+    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -351,12 +454,21 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
                                           gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
     s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     has_bias = bias is not None
-    _ws_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+    from .gemm import _sm_count, sum_splits
+
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    full, splits, chunk, nt0, _ = plan(m, n, k, _sm_count(x2.device), cfg) if split else (tiles, 1, k // bk, 0, 1.0)
+    n0 = nt0 * bn
+    # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
+    part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
+    _ws_kernel[(full + (tiles - full) * splits,)](
         x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
-        m, n, y.stride(0), k // bk,
+        part, m, n, y.stride(0), k // bk, full, splits, chunk, n0,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
         DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
     )
+    if splits > 1:
+        sum_splits(part, y[:, n0:], bias[n0:] if has_bias else None)
     return y
 
 
@@ -365,9 +477,10 @@ _LABEL = "the warp-specialized path"
 
 
 def _self_test(device: torch.device) -> Optional[str]:
-    """Partial row and column tiles, one K step, fp16."""
+    """Partial row and column tiles, one K step, fp16, and tiles split by K (``plan``: the 10 tiles of
+    300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more)."""
     return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
-                                  (200, 300, 1280, torch.float16)), device)
+                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16)), device)
 
 
 def ready(device: torch.device) -> Optional[str]:
