@@ -5,13 +5,7 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/quant16_h200.py   # writes $OUT/quant16_h200.json
 
-Knobs: PHASES (check,time,sweep,sweep2,lookahead,w4a4), BUDGET_S.
-
-PHASES=lookahead: the 16-bit kernel loading one tile ahead (FP4PTQ_QUANT16_LOOKAHEAD=1) against two,
-at 8 and 4 programs an SM (FP4PTQ_QUANT16_PER_SM), on 8192 x 4096 / 14336 / 28672 bf16, standard and
-mse codes and the standard scaled operand: first 2 against 1 bit for bit (codes, scales, global scale,
-4/6 choices, scaled output; also on the adversarial blocks of the check phase), then 3 interleaved
-rounds, medians; registers of each compiled variant and the programs an SM they leave resident.
+Knobs: PHASES (check,time,sweep,sweep2,w4a4), BUDGET_S.
 """
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ OUT = os.environ.get("OUT", ".")
 PHASES = os.environ.get("PHASES", "check,time,sweep,w4a4").split(",")
 T0 = time.time()
 BUDGET = float(os.environ.get("BUDGET_S", "400"))
-res = {"env": peers.env() if dev.type == "cuda" else {}, "check": [], "time": [], "sweep": [], "w4a4": [],
-       "lookahead": {}}
+res = {"env": peers.env() if dev.type == "cuda" else {}, "check": [], "time": [], "sweep": [], "w4a4": []}
 
 
 def save():
@@ -189,102 +182,6 @@ if "sweep2" in PHASES:  # programs per SM at the mid sizes (W4A4 prefill operand
                                  "us": bench_quant(x, amax, None, True, emit)})
             print(f"sweep2 {m}x{k} old {emit} {res['sweep'][-1]['us']:.1f}us", flush=True)
     os.environ.pop("FP4PTQ_QUANT16_TILE", None)
-    os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
-    save()
-
-
-def _set_knobs(lookahead, per_sm):
-    os.environ["FP4PTQ_QUANT16_LOOKAHEAD"] = str(lookahead)  # both read by launch_quantize at each call
-    os.environ["FP4PTQ_QUANT16_PER_SM"] = str(per_sm)
-
-
-def _compiled_variants():
-    """Registers and spills of each compiled 16-bit kernel variant, and the programs of its warps an
-    SM holds (65536 registers, allocated 8 a thread at a time; 2048 threads)."""
-    fn = qk._quantize16_kernel
-    names = ("F16", "FOUR_SIX", "EMIT_SCALED", "BLOCK_M", "BLOCKS_K", "LOOKAHEAD")
-    out = []
-    try:
-        for cache in fn.device_caches.values():
-            for kernel in cache[0].values():
-                consts = getattr(kernel.src, "constants", {}) if hasattr(kernel, "src") else {}
-                row = {n: consts.get((fn.arg_names.index(n),), consts.get(n)) for n in names}
-                row = {n: (v if isinstance(v, (bool, int, float, type(None))) else str(v)) for n, v in row.items()}
-                regs, warps = kernel.n_regs, kernel.metadata.num_warps
-                row.update(n_regs=regs, n_spills=kernel.n_spills, num_warps=warps,
-                           resident_per_sm=min(2048 // (32 * warps), 65536 // (32 * warps * (-(-regs // 8) * 8)))
-                           if regs else None)
-                out.append(row)
-    except Exception as e:  # noqa: BLE001  (Triton internals: best effort)
-        out.append({"error": repr(e)[:300]})
-    return out
-
-
-if "lookahead" in PHASES:
-    look = res["lookahead"] = {"copy_TBps": peers.copy_bw(), "check": [], "rounds": [], "median": []}
-    shapes = ((8192, 4096), (8192, 14336), (8192, 28672))
-    kinds = ((None, "packed"), ("mse", "packed"), (None, "scaled"))
-    data = {}
-    for m, k in shapes:
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        data[f"{m}x{k}"] = (x, x.float().abs().amax())
-    below = patterns(torch.bfloat16)[1].reshape(8192, -1)  # 2^20 adversarial blocks, 8192 x 2048
-    checks = dict(data, below_block_max=(below, nvfp4.tensor_amax(below)))
-    exact = True
-    for name, (x, amax) in checks.items():
-        for per_sm in (8, 4):
-            for rule in (None, "mse"):
-                for emit in ("packed", "scaled"):
-                    outs = []
-                    for lookahead in (1, 2):
-                        _set_knobs(lookahead, per_sm)
-                        outs.append(qk.launch_quantize(x, amax, rule, emit=emit))
-                    equal = all((a is None and b is None) or (a is not None and b is not None and torch.equal(
-                        a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)) for a, b in zip(*outs))
-                    exact &= equal
-                    look["check"].append({"data": name, "per_sm": per_sm, "rule": rule, "emit": emit, "equal": equal})
-                    del outs
-    look["exact"] = exact
-    print("lookahead 2 == lookahead 1 bit for bit:", exact, flush=True)
-    torch.cuda.synchronize()
-    for rnd in range(3):
-        if time.time() - T0 > BUDGET:
-            break
-        for m, k in shapes:
-            x, amax = data[f"{m}x{k}"]
-            for per_sm in (8, 4):
-                for rule, emit in kinds:
-                    for lookahead in ((1, 2) if rnd % 2 == 0 else (2, 1)):  # alternate which goes first
-                        _set_knobs(lookahead, per_sm)
-                        us = bench_quant(x, amax, rule, emit=emit)
-                        look["rounds"].append({"round": rnd, "m": m, "k": k, "per_sm": per_sm, "rule": rule,
-                                               "emit": emit, "lookahead": lookahead, "us": us})
-        save()
-    look["variants"] = _compiled_variants()
-    for m, k in shapes:
-        byt = {"packed": 2 * m * k + m * k / 2 + m * k / 16, "scaled": 4 * m * k}
-        for per_sm in (8, 4):
-            for rule, emit in kinds:
-                row = {"m": m, "k": k, "per_sm": per_sm, "rule": rule, "emit": emit}
-                for lookahead in (1, 2):
-                    times = [r["us"] for r in look["rounds"] if (r["m"], r["k"], r["per_sm"], r["rule"], r["emit"],
-                                                                 r["lookahead"]) == (m, k, per_sm, rule, emit, lookahead)]
-                    if not times:
-                        continue
-                    us = float(torch.tensor(times).median())
-                    row[f"la{lookahead}_us"] = us
-                    row[f"la{lookahead}_rounds"] = times
-                    row[f"la{lookahead}_TBps"] = byt[emit] / (us * 1e-6) / 1e12
-                    row[f"la{lookahead}_copy_pct"] = 100 * row[f"la{lookahead}_TBps"] / look["copy_TBps"]
-                if "la1_us" in row and "la2_us" in row:
-                    row["la2_over_la1"] = row["la2_us"] / row["la1_us"]
-                look["median"].append(row)
-                print("lookahead", json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()
-                                               if not a.endswith("_rounds")}), flush=True)
-    for v in look["variants"]:
-        print("variant", json.dumps(v), flush=True)
-    os.environ.pop("FP4PTQ_QUANT16_LOOKAHEAD", None)
     os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
     save()
 

@@ -164,35 +164,6 @@ def test_quantize16_kernel_bit_identical(quant16, dtype, four_six, amax):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype,programs", [(torch.bfloat16, 1), (torch.float16, 3), (torch.bfloat16, 10)])
-def test_quantize16_kernel_two_tiles_ahead_gives_the_same_bits(quant16, monkeypatch, dtype, programs):
-    """Loading two tiles ahead (FP4PTQ_QUANT16_LOOKAHEAD=2) gives the bits of one tile ahead: codes,
-    scales, the global scale, the 4/6 choices and the scaled output (standard: the reference's). 10
-    tiles (partial in M and K) over 1, 3 and 10 programs: a program loops over 10, 3-4 or 1 tiles,
-    wraps from one tile row to the next, and loads tiles past the last one (masked off whole)."""
-    qk = quant16
-    monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: min(n_tiles, programs))
-    x = _activations(37, 96, dtype, seed=11)  # 5 tile rows of 8 x 2 tile columns of 4 blocks
-    amax = torch.tensor(2.0)
-    runs = {}
-    for lookahead in (1, 2):
-        monkeypatch.setenv("FP4PTQ_QUANT16_LOOKAHEAD", str(lookahead))
-        runs[lookahead] = [qk.launch_quantize(x, amax, rule, emit=emit)
-                           for rule, emit in ((None, "packed"), ("mse", "packed"), ("mse", "scaled"))]
-    packed, scale, enc, _ = runs[2][0]
-    want = nvfp4.quantize(x, None, amax=amax)
-    assert torch.equal(packed, want.packed) and torch.equal(enc, want.global_enc)
-    assert torch.equal(scale.view(torch.uint8), want.block_scale.view(torch.uint8))
-    for got, ref in zip(runs[2], runs[1]):
-        for g, r in zip(got, ref):
-            if r is None:
-                assert g is None
-            else:
-                assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                                   r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r)
-
-
-@interpreted
 def test_quantize16_kernel_reads_strided_rows(quant16):
     """A row stride other than K (even: the int32 view strides by it; odd: copied first)."""
     qk = quant16

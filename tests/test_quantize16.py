@@ -19,7 +19,7 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 from fp4ptq.kernels import quantize_kernel as qk  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, _join, run_ptx  # noqa: E402
+from ptx_emulator import DTYPES, _halves, _join, run_ptx  # noqa: E402
 
 def _all_patterns(dtype):
     bits = torch.arange(65536, dtype=torch.int64)
@@ -117,14 +117,12 @@ def test_scaled_ptx_is_the_signed_code_times_the_scale_exactly(dtype):
         assert torch.equal(lo, expect[0::2]) and torch.equal(hi, expect[1::2])
 
 
-@pytest.mark.parametrize("f16,four_six,lookahead", [(False, 0, 1), (False, 1, 1), (True, 0, 1), (True, 1, 1),
-                                                    (False, 0, 2), (False, 1, 2)])
-def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, lookahead):
-    """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads (a
-    tile's, then those of LOOKAHEAD more tiles: in the prologue and one tile's in the loop) and no
-    local memory."""
-    ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64,
-              LOOKAHEAD=lookahead)
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("four_six", [0, 1])
+def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six):
+    """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads and
+    no local memory."""
+    ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64)
     types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
              "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
     k = compile_for(qk._quantize16_kernel, types, ce, divisible=("K", "stride_xw", "stride_sw"), num_warps=4,
@@ -132,7 +130,7 @@ def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, loo
     ptx = k.asm["ptx"]
     ty = "f16x2" if f16 else "bf16x2"
     assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2  # 2 blocks a thread
-    assert ptx.count("ld.global.v4.b32") == (lookahead + 1) * 2 * 2  # two 16-byte loads a block
+    assert "ld.global.v4.b32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 

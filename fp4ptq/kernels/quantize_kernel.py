@@ -602,23 +602,11 @@ def _tile_offsets(tm, tk, M, nblocks, BLOCK_M: tl.constexpr, BLOCKS_K: tl.conste
 
 
 @triton.jit
-def _load_tile(x_ptr, tm, tk, M, nblocks, stride_xw, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr):
-    """Issue the two 16-byte loads a thread makes of tile (``tm``, ``tk``): ``(wa, wb, rows64, blocks,
-    mask)``, the words and the tile's offsets and mask (for its stores)."""
-    rows64, blocks, mask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
+def _load_tile(x_ptr, rows64, blocks, mask, stride_xw):
     offs = rows64[:, None, None] * stride_xw + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
     wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0)
     wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0)
-    return wa, wb, rows64, blocks, mask
-
-
-@triton.jit
-def _next_tile(tm, tk, dm, dk, n_ktiles):
-    """(tile row, tile column) of tile ``t + P`` from those of tile ``t = tm * n_ktiles + tk``, where
-    ``dm, dk = divmod(P, n_ktiles)``: no integer division in the loop."""
-    tk += dk
-    wrap = tk >= n_ktiles
-    return tm + dm + wrap.to(tl.int32), tl.where(wrap, tk - n_ktiles, tk)
+    return wa, wb
 
 
 @triton.jit
@@ -692,12 +680,11 @@ def _quantize16_kernel(
     x_ptr, amax_ptr, table_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, LOOKAHEAD: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
-    # words of the next LOOKAHEAD tiles (1 or 2) are loaded before this tile's math, so memory and
-    # math overlap; loads of tiles past the last one are masked off whole.
+    # next tile's words are loaded before this tile's math, so memory and math overlap.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     global_enc = global_enc_from_amax(tl.load(amax_ptr), FOUR_SIX)
@@ -709,22 +696,24 @@ def _quantize16_kernel(
     tk = pid % n_ktiles
     dm = nprog // n_ktiles
     dk = nprog % n_ktiles
-    wa, wb, rows64, blocks, mask2 = _load_tile(x_ptr, tm, tk, M, nblocks, stride_xw, BLOCK_M, BLOCKS_K)
-    if LOOKAHEAD == 2:  # tile t + P in flight too
-        tm, tk = _next_tile(tm, tk, dm, dk, n_ktiles)
-        ua, ub, urows64, ublocks, umask = _load_tile(x_ptr, tm, tk, M, nblocks, stride_xw, BLOCK_M, BLOCKS_K)
+    rows64, blocks, mask2 = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
+    wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
     table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
     _write_table(table_ptr, global_enc, F16)
     for t in range(pid, n_tiles, nprog):
-        tm, tk = _next_tile(tm, tk, dm, dk, n_ktiles)  # tile t + LOOKAHEAD * P
-        na, nb, nrows64, nblocks_, nmask = _load_tile(x_ptr, tm, tk, M, nblocks, stride_xw, BLOCK_M, BLOCKS_K)
+        tk += dk
+        wrap = tk >= n_ktiles
+        tm += dm + wrap.to(tl.int32)
+        tk = tl.where(wrap, tk - n_ktiles, tk)
+        nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
+        na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
         _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
                          scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM)
-        if LOOKAHEAD == 2:
-            wa, wb, rows64, blocks, mask2 = ua, ub, urows64, ublocks, umask
-            ua, ub, urows64, ublocks, umask = na, nb, nrows64, nblocks_, nmask
-        else:
-            wa, wb, rows64, blocks, mask2 = na, nb, nrows64, nblocks_, nmask
+        wa = na
+        wb = nb
+        rows64 = nrows64
+        blocks = nblk
+        mask2 = nmask
 
 
 def _tile(m: int, k: int) -> tuple[int, int, int]:
@@ -766,20 +755,6 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
 # faster (H200: 2.9 vs 3.2 us at 16 x 4096, 3.1 vs 5.1 us at 128 x 4096, 8.4 vs 8.5 us at 1024 x 4096);
 # twice as many for the scaled operand (8.3 vs 9.1 us at 1024 x 4096; 13.9 vs 12.9 at 2048 x 4096).
 QUANT16_MIN_ELEMENTS = 1 << 22
-
-
-# Tiles of the 16-bit kernel whose loads are in flight while one is quantized: 1 or 2 (8 programs an
-# SM x 128 threads x 32 bytes a tile = 32 KB a SM at 1; about 36 KB cover the H200's bandwidth x
-# latency). ``FP4PTQ_QUANT16_LOOKAHEAD`` overrides it, read at each launch (for sweeps).
-QUANT16_LOOKAHEAD = 1
-
-
-def _lookahead() -> int:
-    forced = os.environ.get("FP4PTQ_QUANT16_LOOKAHEAD")
-    lookahead = int(forced) if forced else QUANT16_LOOKAHEAD
-    if lookahead not in (1, 2):
-        raise ValueError(f"FP4PTQ_QUANT16_LOOKAHEAD must be 1 or 2, got {lookahead}")
-    return lookahead
 
 
 # The 16-bit kernel is used for bf16 / fp16 inputs unless FP4PTQ_QUANT16=0 (the fp32-compare kernel
@@ -872,7 +847,7 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, LOOKAHEAD=_lookahead(), num_warps=warps, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
