@@ -5,7 +5,8 @@ up as a slow or wrong row.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/model_zoo_h200.py   # $OUT/model_zoo_h200.json
 
-Knobs: MS (rows), DTYPE (bf16 | fp16 activations and cuBLAS peer; the fp16 file is model_zoo_h200_fp16.json),
+Where the dispatch picks the warp-specialized GEMM, the dequantize + cuBLAS path it replaced is timed
+too (W4A16 and W4A4). Knobs: MS (rows), DTYPE (bf16 | fp16 activations and cuBLAS peer; the fp16 file is model_zoo_h200_fp16.json),
 FOUR_SIX (the W4A4 rule, default none).
 """
 from __future__ import annotations
@@ -56,10 +57,17 @@ for model, layers in MODELS.items():
                    "ours_us": peers.bench(lambda: gm.linear_w4a16(x, wq)) * 1e3,
                    "w4a4_us": peers.bench(lambda: gm.linear_w4a4(x, wq, amax, four_six=FOUR_SIX)) * 1e3}
             row["speedup"] = row["cublas_us"] / row["ours_us"]
+            if row["path"] == "wsgemm":  # what the rows before the warp-specialized kernel took
+                row["dequant_cublas_us"] = peers.bench(lambda: gm.linear_w4a16(x, wq, path="cublas")) * 1e3
+            if gm._auto_path(m, DT, True, k, dev, n) == "wsgemm":
+                row["w4a4_cublas_path_us"] = peers.bench(
+                    lambda: gm.linear_w4a4(x, wq, amax, four_six=FOUR_SIX, path="cublas")) * 1e3
             res["rows"].append(row)
             print(f"{model:13s} {layer:8s} {n:6d}x{k:<6d} M={m:<5d} {row['path']:7s} err {row['rel_err']:.1e} "
                   f"w4a4 err {row['w4a4_rel_err']:.1e}  cuBLAS {row['cublas_us']:8.1f}  ours {row['ours_us']:8.1f} "
-                  f"({row['speedup']:.2f}x)  w4a4 {row['w4a4_us']:8.1f}", flush=True)
+                  f"({row['speedup']:.2f}x)  w4a4 {row['w4a4_us']:8.1f}  [dequant+cuBLAS "
+                  f"{row.get('dequant_cublas_us', float('nan')):7.1f}, w4a4 {row.get('w4a4_cublas_path_us', float('nan')):7.1f}]",
+                  flush=True)
         del w, wq, wref
         torch.cuda.empty_cache()
 name = "model_zoo_h200" + ("_fp16" if DT == torch.float16 else "") + ".json"
