@@ -5,11 +5,13 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/quant16_h200.py   # writes $OUT/quant16_h200.json
 
-Knobs: PHASES (check,time,sweep,sweep2,w4a4), BUDGET_S.
+Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm), BUDGET_S. "per_sm": the shipped programs per SM
+against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import time
 
@@ -183,6 +185,28 @@ if "sweep2" in PHASES:  # programs per SM at the mid sizes (W4A4 prefill operand
             print(f"sweep2 {m}x{k} old {emit} {res['sweep'][-1]['us']:.1f}us", flush=True)
     os.environ.pop("FP4PTQ_QUANT16_TILE", None)
     os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+    save()
+
+if "per_sm" in PHASES:
+    res["per_sm"] = []
+    for m, k in ((8192, 4096), (8192, 14336), (8192, 28672)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        byt = 2 * m * k + m * k / 2 + m * k / 16
+        for rule in (None, "mse"):
+            times = {}
+            for _ in range(3):
+                for per_sm in (0, 9, 10):  # 0: the shipped rule
+                    if per_sm:
+                        os.environ["FP4PTQ_QUANT16_PER_SM"] = str(per_sm)
+                    else:
+                        os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+                    times.setdefault(per_sm, []).append(bench_quant(x, amax, rule))
+            os.environ.pop("FP4PTQ_QUANT16_PER_SM", None)
+            row = {"m": m, "k": k, "rule": rule, "median_us": {p: statistics.median(t) for p, t in times.items()}}
+            row["TBps"] = {p: byt / (us * 1e-6) / 1e12 for p, us in row["median_us"].items()}
+            res["per_sm"].append(row)
+            print("per_sm", json.dumps(row), flush=True)
     save()
 
 if "w4a4" in PHASES:
