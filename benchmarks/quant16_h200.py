@@ -7,8 +7,6 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
 Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm), BUDGET_S. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
-"cache": the input loads cached in L2 only (QUANT16_X_CG) and the threshold row in two 16-byte loads
-(QUANT16_ROW_VEC), each on and off, checked bit-equal first, then 3 interleaved rounds.
 """
 from __future__ import annotations
 
@@ -209,40 +207,6 @@ if "per_sm" in PHASES:
             row["TBps"] = {p: byt / (us * 1e-6) / 1e12 for p, us in row["median_us"].items()}
             res["per_sm"].append(row)
             print("per_sm", json.dumps(row), flush=True)
-    save()
-
-if "cache" in PHASES:
-    res["cache"] = {"rows": []}
-    variants = {"base": (False, False), "x_cg": (True, False), "row_vec": (False, True), "both": (True, True)}
-
-    def with_variant(flags, fn):
-        qk.QUANT16_X_CG, qk.QUANT16_ROW_VEC = flags
-        try:
-            return fn()
-        finally:
-            qk.QUANT16_X_CG = qk.QUANT16_ROW_VEC = False
-
-    exact = True
-    for m, k in ((8192, 4096), (8192, 14336), (8192, 28672)):
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        amax = x.float().abs().amax()
-        byt = 2 * m * k + m * k / 2 + m * k / 16
-        for rule in (None, "mse"):
-            for emit in ("packed", "scaled"):
-                ref = qk.launch_quantize(x, amax, rule, emit=emit)
-                for flags in variants.values():
-                    got = with_variant(flags, lambda: qk.launch_quantize(x, amax, rule, emit=emit))
-                    exact &= all(torch.equal(a, b) for a, b in zip(ref, got) if torch.is_tensor(a))
-            times = {}
-            for _ in range(3):
-                for label, flags in variants.items():
-                    times.setdefault(label, []).append(with_variant(flags, lambda: bench_quant(x, amax, rule)))
-            row = {"m": m, "k": k, "rule": rule, "median_us": {v: statistics.median(t) for v, t in times.items()}}
-            row["TBps"] = {v: byt / (us * 1e-6) / 1e12 for v, us in row["median_us"].items()}
-            res["cache"]["rows"].append(row)
-            print("cache", json.dumps(row), flush=True)
-    res["cache"]["exact"] = exact
-    print("cache variants bit-equal:", exact, flush=True)
     save()
 
 if "w4a4" in PHASES:

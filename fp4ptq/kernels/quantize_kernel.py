@@ -292,10 +292,6 @@ def _quantize_kernel(
 # to all its threads; one table shared by all programs was measured 2-20x slower, every program
 # writing the same lines), and the grid is persistent (a few programs per SM looping over tiles), so
 # the table costs one row a thread per program: 8 KB of scratch each.
-# experiment switches (H200 A/B in benchmarks/quant16_h200.py, PHASES=cache): the input loads cached in
-# L2 only; the threshold row as two 16-byte loads instead of seven 4-byte ones
-QUANT16_X_CG = False
-QUANT16_ROW_VEC = False
 TABLE_ROWS = tl.constexpr(128)
 TABLE_WORDS = tl.constexpr(16)
 
@@ -547,24 +543,16 @@ def _split4(t):
 
 
 @triton.jit
-def _row(table_ptr, code, ROW_VEC: tl.constexpr):
-    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code
-    (``ROW_VEC``: words 0-7 of the row as one [.., 8] load a thread, two 16-byte loads)."""
+def _row(table_ptr, code):
+    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code."""
     p = table_ptr + code * TABLE_WORDS
-    if ROW_VEC:
-        r = tl.load(p[:, :, None] + tl.arange(0, 8)[None, None, :])
-        a, b = tl.split(tl.reshape(r, (r.shape[0], r.shape[1], 2, 4)).permute(0, 1, 3, 2))  # 0-3, 4-7
-        t0, t1, t2, t3 = _split4(a)
-        t4, t5, t6, _ = _split4(b)
-        return t0, t1, t2, t3, t4, t5, t6
     return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
 
 
 @triton.jit
-def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16: tl.constexpr, ASM: tl.constexpr,
-                  ROW_VEC: tl.constexpr):
+def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16: tl.constexpr, ASM: tl.constexpr):
     """The counts of a block's eight words against its code's thresholds."""
-    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, ROW_VEC)
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code)
     return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
@@ -614,16 +602,10 @@ def _tile_offsets(tm, tk, M, nblocks, BLOCK_M: tl.constexpr, BLOCKS_K: tl.conste
 
 
 @triton.jit
-def _load_tile(x_ptr, rows64, blocks, mask, stride_xw, X_CG: tl.constexpr):
-    """The tile's words (``X_CG``: cached in L2 only, so the streamed input does not evict the
-    threshold table from L1)."""
+def _load_tile(x_ptr, rows64, blocks, mask, stride_xw):
     offs = rows64[:, None, None] * stride_xw + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    if X_CG:
-        wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0, cache_modifier=".cg")
-        wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0, cache_modifier=".cg")
-    else:
-        wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0)
-        wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0)
+    wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0)
+    wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0)
     return wa, wb
 
 
@@ -632,7 +614,7 @@ def _quantize16_tile(
     wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     K, stride_sw,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, ROW_VEC: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     w0, w1, w2, w3 = _split4(wa)
     w4, w5, w6, w7 = _split4(wb)
@@ -650,14 +632,12 @@ def _quantize16_tile(
     else:
         bmax = (mbits << 16).to(tl.float32, bitcast=True)
     _, code = e4m3_block_scale(bmax, global_enc, 6.0)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16, ASM,
-                                                   ROW_VEC)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16, ASM)
     chose_four = code < 0  # all False, in the per-block layout
     if FOUR_SIX != 0:
         # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
         _, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, F16, ASM,
-                                                       ROW_VEC)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, F16, ASM)
         step6 = tl.load(table_ptr + code * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
         step4 = tl.load(table_ptr + code4 * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
         err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
@@ -700,7 +680,7 @@ def _quantize16_kernel(
     x_ptr, amax_ptr, table_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, X_CG: tl.constexpr, ROW_VEC: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -717,7 +697,7 @@ def _quantize16_kernel(
     dm = nprog // n_ktiles
     dk = nprog % n_ktiles
     rows64, blocks, mask2 = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
-    wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw, X_CG)
+    wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
     table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
     _write_table(table_ptr, global_enc, F16)
     for t in range(pid, n_tiles, nprog):
@@ -726,9 +706,9 @@ def _quantize16_kernel(
         tm += dm + wrap.to(tl.int32)
         tk = tl.where(wrap, tk - n_ktiles, tk)
         nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
-        na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw, X_CG)
+        na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
         _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                         scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, ROW_VEC)
+                         scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM)
         wa = na
         wb = nb
         rows64 = nrows64
@@ -867,8 +847,7 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, X_CG=QUANT16_X_CG, ROW_VEC=QUANT16_ROW_VEC, num_warps=warps,
-            enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
