@@ -314,13 +314,15 @@ def test_gemv6_segments_keep_lanes_busy_without_cutting_rows_short():
 @interpreted
 def test_gemv6_prefetches_on_large_layers_only(tk):
     """The swept rule: layers of 64M weights and more load each row tile a step ahead, with
-    K segments up to 8192 (70B gate_up in one); smaller layers keep the plain loop."""
+    K segments up to 8192 (70B gate_up in one); smaller layers keep the plain loop, on 4-row
+    tiles 4 programs an SM where K is one segment and N <= 8192 (results/gemv6_small_h200.json)."""
     _, gm = tk
     assert gm._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
     assert gm._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
     assert gm._gemv6_config(1, 8192, 28672) == (4, 4, 16, 4096, True)    # 70B down: 7 segments
     assert gm._gemv6_config(1, 4096, 14336)[3:] == (2048, False)         # 8B down
-    assert gm._gemv6_config(1, 6144, 4096)[3:] == (4096, False)          # 8B qkv
+    assert gm._gemv6_config(1, 6144, 4096) == (4, 2, 4, 4096, False)     # 8B qkv: 4 rows, 4 an SM
+    assert gm._gemv6_config(1, 12288, 4096) == (8, 2, 8, 4096, False)    # Llama-2-7B qkv: 8 rows, 8 an SM
 
 
 @interpreted

@@ -740,15 +740,19 @@ def _gemv6_config(m: int, n: int, k: int):
     (8B.down, 8B.qkv, 8B.o): segments up to 4096, warps so that each thread
     holds four blocks of a row (segment / 2048), 8 rows a step for
     single-segment layers narrower than 16384 and 4 otherwise, 8 programs per
-    SM (16 when K is split)."""
+    SM (16 when K is split). Single-segment layers of at most 8192 rows take 4 rows
+    and 4 programs an SM instead (session 9, interleaved, results/gemv6_small_h200.json:
+    8B.qkv 7.69 -> 7.31 us, 8B.o 6.18 -> 5.92, Qwen2-7B qkv 8.79 -> 6.52, Gemma-2-9B
+    qkv 11.63 -> 8.60; Llama-2-7B qkv (12288 rows) 11.43 -> 11.71 kept the old rule)."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
     kbp = triton.next_power_of_2(max(1, seg // 16))
     split = k > seg
     if large:
         return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
-    rows = 4 if split or n >= 16384 else 8
-    return rows, max(1, min(8, kbp // 128)), 16 if split else 8, seg, False
+    narrow = not split and n <= 8192
+    rows = 4 if split or narrow or n >= 16384 else 8
+    return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
 
 
 def _gemv6_segment(k: int, cap: int) -> int:
