@@ -8,7 +8,8 @@ Knobs: MS (rows, default 256,512,1024,2048,8192), ROUNDS (3), VARIANTS ("" skips
 WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds), PHASES (comma-separated,
 default "checks,rows,variants"; "split" times the split tail (``wsgemm.plan``) against whole tiles and
 dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 through wsgemm against the
-cuBLAS W4A4 path at M = 1536..8192).
+cuBLAS W4A4 path at M = 1536..8192; "shortk" times it on other models' layers with K = 3072 / 3584, below
+the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024).
 """
 from __future__ import annotations
 
@@ -225,6 +226,33 @@ if "w4a4big" in PHASES:
             print(json.dumps(row), flush=True)
             save()
             del x
+
+# K below MIN_K: Qwen2-7B, Gemma-2-9B and Phi-3-mini layers (K = 3584 / 3072, multiples of 256)
+if "shortk" in PHASES:
+    res["shortk"] = []
+    layers = {"Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.o": (3584, 3584), "Qwen2-7B.gate_up": (37888, 3584),
+              "Gemma-2-9B.qkv": (8192, 3584), "Gemma-2-9B.gate_up": (28672, 3584), "Phi-3-mini.qkv": (9216, 3072),
+              "Phi-3-mini.o": (3072, 3072), "Phi-3-mini.gate_up": (16384, 3072)}
+    for name, (n, k) in layers.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        wq = nvfp4.quantize(w)
+        for m in (256, 1024):
+            if time.time() - T0 > BUDGET:
+                break
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            row = {"shape": name, "m": m, "n": n, "k": k, "plan": wsgemm.plan(m, n, k)}
+            try:
+                row["rel_cublas_path"] = rel(gm.linear_w4a16(x, wq, path="wsgemm"),
+                                             gm.linear_w4a16(x, wq, path="cublas"))
+                row["median_us"] = mu = interleaved({
+                    "cublas_bf16": lambda: x @ w.t(), "dequant_cublas": lambda: gm.linear_w4a16(x, wq, path="cublas"),
+                    "wsgemm": lambda: gm.linear_w4a16(x, wq, path="wsgemm")})
+                row["ws_over_dequant"] = mu["dequant_cublas"] / mu["wsgemm"]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:400]
+            res["shortk"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
 
 res["elapsed_s"] = time.time() - T0
 save()

@@ -116,6 +116,9 @@ def test_shape_rule_follows_the_measured_rows():
     assert not ws.preferred(128, 28672, 4096)  # wgmma's rows
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
+    # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
+    assert ws.preferred(256, 37888, 3584) and ws.preferred(1024, 8192, 3584) and ws.preferred(1024, 16384, 3072)
+    assert not ws.preferred(1024, 4608, 3584) and not ws.preferred(256, 3072, 3072)
     assert ws.wave_fill(1024, 6144) == pytest.approx(192 / 264)
     assert ws.wave_fill(1024, 4096, sms=128) == 1.0
 

@@ -13,7 +13,7 @@ the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128), ``wsgemm`` the warp-specialized Gluon
 GEMM (``wsgemm.py``, sm_90, 129 <= M <= 1024, W4A4 to 2048 or 8192, where its tiles fill the SMs
-or its split tail does, K % 256 == 0 and K >= 4096),
+or its split tail does, K % 256 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more),
 ``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
 its self-test passed). Timings: benchmarks/results/kernels_h200.md.

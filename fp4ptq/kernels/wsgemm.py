@@ -323,8 +323,13 @@ MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
 # against 543 us), at M = 1536 / 2048 on the others (70B down level: 1227 / 1599 against 1222 / 1590),
 # and behind from M = 4096 where K >= 8192 (70B down at 8192: 6983 against 5970)
 MAX_M_W4A4, MAX_M_W4A4_LONG_K = 8192, 2048
-# the measured layers' K (4096-28672); with fewer K steps the ring's fill and the epilogue take a larger share
+# the measured layers' K (4096-28672); with fewer K steps the ring's fill and the epilogue take a larger share.
+# K = 3072 / 3584 (results/wsgemm_h200_shortk.json, Qwen2-7B, Gemma-2-9B, Phi-3-mini at M = 256 / 1024):
+# ahead of or level with dequantize + cuBLAS on the layers of 8192 rows and more (Qwen2-7B gate_up at 256:
+# 126.9 against 207.0 us; Gemma-2-9B qkv at 1024: 100.3 against 108.3), behind on narrower ones (Phi-3-mini
+# o at 256: 21.9 against 17.0; Qwen2-7B qkv at 1024: 68.8 against 59.9), so those need K >= 4096
 MIN_K = 4096
+MIN_K_WIDE, MIN_N_WIDE = 3072, 8192
 
 # The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
 # PROGRAM_STEPS steps beside its own; the summing launch about SUM_STEPS plus one step per SUM_BYTES_A_STEP
@@ -394,11 +399,12 @@ def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
-    K >= 4096, M from 129 to 1024 (W4A4: to 2048, and to 8192 where K <= 4096), and a ``plan`` that
+    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 129 to 1024 (W4A4: to 2048, and to 8192 where K <= 4096), and a ``plan`` that
     either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
     (results/wsgemm_h200_split.json: ahead of or level with the path it replaces on every such row)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
-    if not (MIN_M <= m <= top and k >= MIN_K and supports(m, n, k)):
+    long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
+    if not (MIN_M <= m <= top and long_enough and supports(m, n, k)):
         return False
     _, splits, _, _, fill = plan(m, n, k, sms)
     return splits > 1 or fill >= MIN_WAVE_FILL
