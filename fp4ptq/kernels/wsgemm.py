@@ -362,9 +362,9 @@ def _span(tiles: int, full: int, parts: int, chunk: int, steps: int, sms: int, o
 def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) -> tuple:
     """How the tiles go to programs: ``(full_tiles, splits, k_chunk, nt0, fill)``. The tiles of weight
     columns ``nt0`` on are cut into ``splits`` K ranges of ``k_chunk`` steps each (summed in fp32 by a
-    second launch) when the cost model above predicts 5% less time than whole tiles, whose last wave
-    would leave SMs idle (Llama-3.1 8B qkv at M = 1024: 192 tiles on 132 SMs). ``fill``: the work over the SMs' time with the
-    summing counted as SM time (for whole tiles, the wave fill)."""
+    second launch) when the cost model above predicts 5% less time than whole tiles, whose last
+    wave would leave SMs idle (Llama-3.1 8B qkv at M = 1024: 192 tiles on 132 SMs). ``fill``: the
+    work over the SMs' time with the summing counted as SM time (for whole tiles, the wave fill)."""
     bm, bn, bk = cfg[:3]
     num_m, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     tiles, steps = num_m * n_tiles, k // bk
@@ -399,9 +399,10 @@ def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
-    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 129 to 1024 (W4A4: to 2048, and to 8192 where K <= 4096), and a ``plan`` that
-    either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
-    (results/wsgemm_h200_split.json: ahead of or level with the path it replaces on every such row)."""
+    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 129 to 1024 (W4A4: to 2048, and to
+    8192 where K <= 4096), and a ``plan`` that either splits the last wave's tiles or fills at least
+    80% of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json: ahead
+    of or level with the path it replaces on every such row)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)):
