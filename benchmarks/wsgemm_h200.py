@@ -163,6 +163,13 @@ for name in ("8B.gate_up", "8B.o", "8B.down", "70B.down"):
     print(json.dumps(row), flush=True)
     save()
 
+def whole_fill(m, n, sms):
+    """The fraction of the SMs' program slots whole tiles use over their waves."""
+    bm, bn = wsgemm.DEFAULT_CONFIG[:2]
+    tiles = -(-m // bm) * -(-n // bn)
+    return tiles / (-(-tiles // sms) * sms)
+
+
 def whole_tiles(x, wq, x_enc=None):
     y = torch.empty(x.shape[0], wq.shape[0], device=dev, dtype=x.dtype)
     return wsgemm.matmul(x, *gm._weight_views(wq)[2:], x_enc, None, y, split=False)
@@ -183,7 +190,7 @@ if "split" in PHASES:
             weights[name] = (w, nvfp4.quantize(w))
         w, wq = weights[name]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
-        row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k, sms), "fill_whole": wsgemm.wave_fill(m, n, sms),
+        row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k, sms), "fill_whole": whole_fill(m, n, sms),
                "preferred": wsgemm.preferred(m, n, k, sms)}
         try:
             row["rel_whole"] = rel(gm.linear_w4a16(x, wq, path="wsgemm"), whole_tiles(x, wq))

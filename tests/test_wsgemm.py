@@ -119,8 +119,9 @@ def test_shape_rule_follows_the_measured_rows():
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
     assert ws.preferred(256, 37888, 3584) and ws.preferred(1024, 8192, 3584) and ws.preferred(1024, 16384, 3072)
     assert not ws.preferred(1024, 4608, 3584) and not ws.preferred(256, 3072, 3072)
-    assert ws.wave_fill(1024, 6144) == pytest.approx(192 / 264)
-    assert ws.wave_fill(1024, 4096, sms=128) == 1.0
+    # whole tiles: the plan's fill is the wave fill (8B gate_up: 896 tiles in 7 waves of 132)
+    assert ws.plan(1024, 28672, 4096)[4] == pytest.approx(896 / 924)
+    assert ws.plan(1024, 4096, 4096, sms=128)[:2] == (128, 1) and ws.plan(1024, 4096, 4096, sms=128)[4] == 1.0
 
 
 def _programs(m, n, k, sms):

@@ -369,7 +369,7 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     num_m, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     tiles, steps = num_m * n_tiles, k // bk
     group = max(1, 256 // bk)  # K steps a scale group covers
-    best = (tiles, 1, steps, n_tiles, 0.0)
+    best, best_summing = (tiles, 1, steps, n_tiles), 0.0  # whole tiles
     best_cost = MIN_SPLIT_GAIN * _span(tiles, tiles, 1, steps, steps, sms, PROGRAM_STEPS)
     for full_waves in sorted({max(0, tiles // sms - 1), tiles // sms}):
         nt0 = min(n_tiles, full_waves * sms // num_m)
@@ -384,17 +384,10 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
             summing = SUM_STEPS + moved / SUM_BYTES_A_STEP
             cost = _span(tiles, full, parts, chunk, steps, sms, PROGRAM_STEPS) + summing
             if cost < best_cost:
-                best, best_cost = (full, parts, chunk, nt0, summing), cost
-    full, parts, chunk, nt0, summing = best
-    fill = tiles * steps / (sms * (_span(tiles, full, parts, chunk, steps, sms, 0) + summing))
+                best, best_summing, best_cost = (full, parts, chunk, nt0), summing, cost
+    full, parts, chunk, nt0 = best
+    fill = tiles * steps / (sms * (_span(tiles, full, parts, chunk, steps, sms, 0) + best_summing))
     return full, parts, chunk, nt0, fill
-
-
-def wave_fill(m: int, n: int, sms: int = 132, cfg: tuple = None) -> float:
-    """The fraction of the SMs' program slots the tiles use over their waves (one CTA an SM)."""
-    bm, bn = (cfg or DEFAULT_CONFIG)[:2]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return tiles / (triton.cdiv(tiles, sms) * sms)
 
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
@@ -504,4 +497,4 @@ def disable(device: torch.device, reason: str) -> None:
 
 
 __all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "matmul",
-           "preferred", "ready", "supports", "wave_fill"]
+           "plan", "preferred", "ready", "supports"]
