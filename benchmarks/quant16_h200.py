@@ -5,7 +5,11 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/quant16_h200.py   # writes $OUT/quant16_h200.json
 
-Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm), BUDGET_S. "per_sm": the shipped programs per SM
+Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm,table,table_w4a4), BUDGET_S. "table": thresholds
+computed per block against the per-program table (exactness on the adversarial data, then 3
+interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_DTYPE=fp16 and
+TABLE_SIZES=1024x4096,... change the timed inputs); "table_w4a4": W4A4 end to end with each
+(W4A4_SHAPES, W4A4_VARIANTS, ROUNDS). "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
 from __future__ import annotations
@@ -209,27 +213,106 @@ if "per_sm" in PHASES:
             print("per_sm", json.dumps(row), flush=True)
     save()
 
-if "w4a4" in PHASES:
-    for name in ("8B.qkv", "8B.o", "8B.gate_up", "8B.down"):
+def variant(name):
+    """Set the quantize dispatch to one of the "table" phase's variants (env + module knobs)."""
+    for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM"):
+        os.environ.pop(key, None)
+    qk.QUANT16_MIN_ELEMENTS = DEFAULT_MIN
+    if name == "shipped":
+        return
+    qk.QUANT16_MIN_ELEMENTS = 0
+    kind, _, per_sm = name.partition("@")
+    os.environ["FP4PTQ_QUANT16_TABLE"] = "1" if kind == "table" else "0"
+    if per_sm:
+        os.environ["FP4PTQ_QUANT16_PER_SM"] = per_sm
+
+
+DEFAULT_MIN = qk.QUANT16_MIN_ELEMENTS
+TABLE_DTYPE = torch.float16 if os.environ.get("TABLE_DTYPE") == "fp16" else torch.bfloat16
+TABLE_SIZES = [tuple(int(v) for v in mk.split("x")) for mk in os.environ.get(
+    "TABLE_SIZES", "16x4096,128x4096,1024x4096,2048x4096,8192x4096,8192x14336,8192x28672").split(",")]
+if "table" in PHASES:  # thresholds per block (no table) against the per-program table, 3 interleaved rounds
+    res["table_check"] = []
+    check_dtypes = (torch.bfloat16, torch.float16) if os.environ.get("TABLE_CHECK", "1") == "1" else ()
+    for dtype in check_dtypes:  # the per-block kernel on the adversarial data
+        every, below = patterns(dtype)
+        variant("block")
+        for name, x in (("every_pattern", every), ("below_block_max", below)):
+            for amax in (None, 1.0, 1e-3, 3e4 if dtype == torch.float16 else 1e30, 1e-35 if dtype == torch.bfloat16 else 1e-7):
+                for rule in (None, "mse", "max"):
+                    for emit in ("packed", "scaled"):
+                        r = compare(x, rule, amax, emit)
+                        r["data"] = name
+                        res["table_check"].append(r)
+                        print("table_check", json.dumps(r), flush=True)
+        variant("shipped")
+    save()
+    res["table"] = []
+    names = ("shipped", "table", "block", "block@4", "block@12", "old")
+    for m, k in TABLE_SIZES:
+        if time.time() - T0 > BUDGET:
+            break
+        x = torch.randn(m, k, device=dev, dtype=TABLE_DTYPE)
+        amax = x.float().abs().amax()
+        for emit, rule in (("packed", None), ("scaled", None), ("packed", "mse")):
+            if rule and m * k < 1 << 22:
+                continue
+            times = {}
+            for _ in range(3):
+                for name in names:
+                    variant("shipped" if name == "old" else name)
+                    times.setdefault(name, []).append(bench_quant(x, amax, rule, name == "old", emit))
+            variant("shipped")
+            row = {"m": m, "k": k, "emit": emit, "rule": rule, "dtype": str(TABLE_DTYPE),
+                   "median_us": {n: statistics.median(t) for n, t in times.items()}}
+            res["table"].append(row)
+            print("table", json.dumps(row), flush=True)
+    save()
+
+
+def w4a4_cases(names):
+    """(layer, M, bf16 weight, its NVFP4 weight, activations, their amax) at M = 1024 and 8192, within
+    the time budget."""
+    for name in names:
         n, k = peers.SHAPES[name]
         wq = nvfp4.quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         for m in (1024, 8192):
             if time.time() - T0 > BUDGET:
-                break
+                return
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            amax = x.float().abs().amax()
-            row = {"shape": name, "m": m, "cublas_us": peers.bench(lambda: x @ w.t()) * 1e3}
-            for old in (False, True):
-                qk.QUANT16 = not old
-                row[f"w4a4_{'old' if old else 'new'}_us"] = peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3
-                row[f"w4a4_mse_{'old' if old else 'new'}_us"] = peers.bench(
-                    lambda: gm.linear_w4a4(x, wq, amax, four_six="mse")) * 1e3
-            qk.QUANT16 = True
-            ref = gm.linear_w4a4(x[:64], wq, amax, path="gemm").float()
-            got = gm.linear_w4a4(x, wq, amax)[:64].float()
-            row["rel_err_vs_tiled"] = float((got - ref).norm() / ref.norm())
-            res["w4a4"].append(row)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            yield name, m, w, wq, x, x.float().abs().amax()
+
+
+if "table_w4a4" in PHASES:  # W4A4 end to end (quantize + GEMM) with each quantize variant
+    res["table_w4a4"] = []
+    shapes = os.environ.get("W4A4_SHAPES", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.down").split(",")
+    for name, m, w, wq, x, amax in w4a4_cases(shapes):
+        times = {}
+        for _ in range(int(os.environ.get("ROUNDS", "3"))):
+            times.setdefault("cublas_bf16", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
+            for v in os.environ.get("W4A4_VARIANTS", "shipped,block,block@4").split(","):
+                variant(v)
+                times.setdefault(v, []).append(peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3)
+        variant("shipped")
+        row = {"shape": name, "m": m, "median_us": {v: statistics.median(t) for v, t in times.items()}}
+        res["table_w4a4"].append(row)
+        print("table_w4a4", json.dumps(row), flush=True)
+    save()
+
+if "w4a4" in PHASES:
+    for name, m, w, wq, x, amax in w4a4_cases(("8B.qkv", "8B.o", "8B.gate_up", "8B.down")):
+        row = {"shape": name, "m": m, "cublas_us": peers.bench(lambda: x @ w.t()) * 1e3}
+        for old in (False, True):
+            qk.QUANT16 = not old
+            row[f"w4a4_{'old' if old else 'new'}_us"] = peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3
+            row[f"w4a4_mse_{'old' if old else 'new'}_us"] = peers.bench(
+                lambda: gm.linear_w4a4(x, wq, amax, four_six="mse")) * 1e3
+        qk.QUANT16 = True
+        ref = gm.linear_w4a4(x[:64], wq, amax, path="gemm").float()
+        got = gm.linear_w4a4(x, wq, amax)[:64].float()
+        row["rel_err_vs_tiled"] = float((got - ref).norm() / ref.norm())
+        res["w4a4"].append(row)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     save()
 print("done", round(time.time() - T0), "s")
