@@ -46,6 +46,15 @@ def tk():
     return qk, gm
 
 
+@pytest.fixture
+def fp32_kernel(tk, monkeypatch):
+    """The fp32-compare quantize kernel for every dtype (the 16-bit one has its own tests below): it
+    takes bf16 / fp16 where the 16-bit kernel's PTX does not run (before sm_90 for bf16)."""
+    qk, _ = tk
+    monkeypatch.setattr(qk, "QUANT16", False)
+    return tk
+
+
 def _activations(m, k, dtype, seed):
     """Heavy-tailed data with an all-zero block, a -0.0, a tiny (zero-scale) block."""
     g = torch.Generator().manual_seed(seed)
@@ -67,8 +76,8 @@ def _same_quantized(q, r):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("four_six", [None, "max"])
 @pytest.mark.parametrize("shape", [(5, 48), (3, 560)])
-def test_quantize_kernel_bit_identical(tk, dtype, four_six, shape):
-    qk, _ = tk
+def test_quantize_kernel_bit_identical(fp32_kernel, dtype, four_six, shape):
+    qk, _ = fp32_kernel
     x = _activations(*shape, dtype, seed=shape[1])
     q, r = qk.quantize(x, four_six), nvfp4.quantize(x, four_six)
     _same_quantized(q, r)
@@ -78,10 +87,10 @@ def test_quantize_kernel_bit_identical(tk, dtype, four_six, shape):
 
 @interpreted
 @pytest.mark.parametrize("rule", ["mse", "mae"])
-def test_quantize_kernel_four_six_sums_only_flip_near_ties(tk, rule):
+def test_quantize_kernel_four_six_sums_only_flip_near_ties(fp32_kernel, rule):
     """Summed 4/6 errors may round differently from torch.sum; a flipped
     choice is allowed only where the two block errors are within 1e-5."""
-    qk, _ = tk
+    qk, _ = fp32_kernel
     x = _activations(64, 256, torch.bfloat16, seed=1)
     _assert_flips_only_at_near_ties(x, qk.quantize(x, rule), nvfp4.quantize(x, rule), rule)
 
@@ -106,8 +115,8 @@ def _assert_flips_only_at_near_ties(x, q, r, rule):
 
 
 @interpreted
-def test_quantize_kernel_static_amax_saturates_like_reference(tk):
-    qk, _ = tk
+def test_quantize_kernel_static_amax_saturates_like_reference(fp32_kernel):
+    qk, _ = fp32_kernel
     x = _activations(9, 64, torch.bfloat16, seed=3)
     for amax in (0.05, 1.0, 1e4):
         for rule in (None, "mse"):
@@ -116,8 +125,8 @@ def test_quantize_kernel_static_amax_saturates_like_reference(tk):
 
 
 @interpreted
-def test_quantize_scaled_is_code_times_scale(tk):
-    qk, _ = tk
+def test_quantize_scaled_is_code_times_scale(fp32_kernel):
+    qk, _ = fp32_kernel
     x = _activations(7, 96, torch.bfloat16, seed=4)
     amax = torch.tensor(2.5)
     for rule in (None, "mae"):
@@ -128,12 +137,14 @@ def test_quantize_scaled_is_code_times_scale(tk):
         assert torch.equal(scaled.float(), expect)
 
 
-@pytest.fixture
-def quant16(tk, monkeypatch):
+@pytest.fixture(params=[True, False], ids=["table", "per_block"])
+def quant16(tk, monkeypatch, request):
     """The 16-bit quantize kernel on every size, with small tiles and 3 persistent programs, so
-    that a program loops over many tiles (partial ones in M and K among them)."""
+    that a program loops over many tiles (partial ones in M and K among them); thresholds from
+    the per-program table or computed per block."""
     qk, _ = tk
     monkeypatch.setattr(qk, "QUANT16_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(qk, "_use_table", lambda n_tiles, emit: request.param)
     monkeypatch.setattr(qk, "_tile16", lambda m, k: (8, 4, 4))
     monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: min(n_tiles, 3))
     return qk
@@ -161,6 +172,29 @@ def test_quantize16_kernel_bit_identical(quant16, dtype, four_six, amax):
     ok = (scaled.float() == expect).reshape(37, 6, 16).all(-1)
     assert torch.equal(enc, rs.global_enc)
     assert ok.all() if four_six in (None, "max") else ok.float().mean() > 0.99
+
+
+@interpreted
+@pytest.mark.parametrize("four_six", [None, "max"])
+def test_quantize16_kernel_tiny_values(quant16, four_six):
+    """bf16 values near 1e-36 with their own amax: the global scale passes 2^112 and the block
+    thresholds go subnormal, where the per-block kernel leaves its fast fp64 rounding for the
+    table's arithmetic; codes and scales still equal the reference."""
+    qk = quant16
+    x = (_activations(5, 64, torch.float32, seed=3) * 1e-36).bfloat16()
+    q, r = qk.quantize(x, four_six), nvfp4.quantize(x, four_six)
+    assert float(r.global_enc) > 2.0 ** 112
+    _same_quantized(q, r)
+
+
+@interpreted
+def test_quantize16_kernel_empty_input(quant16):
+    """No rows: nothing launched, the global scale still follows the amax."""
+    qk = quant16
+    x = torch.zeros(0, 32, dtype=torch.bfloat16)
+    packed, scale, enc, _ = qk.launch_quantize(x, torch.tensor(2.0))
+    assert packed.shape == (0, 16) and scale.shape == (0, 2)
+    assert torch.equal(enc, nvfp4.global_encode_scale(torch.tensor(2.0)))
 
 
 @interpreted

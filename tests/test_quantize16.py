@@ -119,19 +119,26 @@ def test_scaled_ptx_is_the_signed_code_times_the_scale_exactly(dtype):
 
 @pytest.mark.parametrize("f16", [False, True])
 @pytest.mark.parametrize("four_six", [0, 1])
-def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six):
+@pytest.mark.parametrize("table", [True, False])
+def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, table):
     """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads and
-    no local memory."""
-    ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64)
+    no local memory; without the table, no table loads (only the input's 16-byte loads)."""
+    ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64,
+              TABLE=table)
     types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
              "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
     k = compile_for(qk._quantize16_kernel, types, ce, divisible=("K", "stride_xw", "stride_sw"), num_warps=4,
                     enable_fp_fusion=False)
     ptx = k.asm["ptx"]
     ty = "f16x2" if f16 else "bf16x2"
-    assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2  # 2 blocks a thread
+    # 2 blocks a thread; the per-block bf16 kernel holds its tile twice (fast fp64 rounding, and the
+    # table's arithmetic for global scales of 2^112 and more)
+    copies = 2 if not table and not f16 else 1
+    assert len(re.findall(rf"set\.ge\.{ty}\.{ty}", ptx)) == 7 * 8 * (2 if four_six else 1) * 2 * copies
     assert "ld.global.v4.b32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    scalar_loads = len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b32 ", ptx))
+    assert (scalar_loads > 1) == table  # table rows; the amax is the one scalar load of both
 
 
 def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
@@ -152,3 +159,16 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     assert not qk.quant16_supported(cuda, torch.bfloat16)
     assert not qk.quant16_supported(torch.device("cpu"), torch.bfloat16)
+
+
+def test_table_rule_follows_the_h200_measurements(monkeypatch):
+    """Codes take the per-program table from 32768 tiles (64M elements) on, the scaled W4A4 operand
+    never; ``FP4PTQ_QUANT16_TABLE`` forces either way."""
+    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
+    assert not qk._use_table(16384, "packed") and not qk._use_table(32767, "packed")
+    assert qk._use_table(32768, "packed") and qk._use_table(1 << 20, "packed")
+    assert not qk._use_table(1 << 20, "scaled")
+    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "1")
+    assert qk._use_table(1, "scaled")
+    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "0")
+    assert not qk._use_table(1 << 20, "packed")

@@ -29,14 +29,17 @@ correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
 Two kernels
 -----------
-bf16 / fp16 inputs of 4M elements and more go to ``_quantize16_kernel``: two
-elements a 32-bit register, the seven thresholds of each block's scale code
-gathered from a small table (rounded up to the 16-bit format, which is exact
-for 16-bit inputs), compared and counted two at a time by packed
-instructions (inline PTX on the GPU; the same arithmetic in Triton under the
-interpreter). Everything else (fp32 inputs, small inputs, a scaled output in
-another dtype) goes to ``_quantize_kernel``, which computes the thresholds per
-block as described above. Both give the reference's codes and scales.
+bf16 / fp16 inputs (on sm_90, fp16 from sm_80) go to ``_quantize16_kernel``:
+two elements a 32-bit register, compared with the seven thresholds of each
+block's scale rounded up to the 16-bit format (exact for 16-bit inputs) and
+counted two at a time by packed instructions (inline PTX on the GPU; the same
+arithmetic in Triton under the interpreter). The thresholds come from a small
+per-program table of all scale codes on large inputs (codes of 64M elements and
+more), and are computed per block otherwise (bf16: seven exact fp64 products
+read off as bf16 patterns). Everything else (fp32 inputs, a scaled output in
+another dtype, older GPUs) goes to ``_quantize_kernel``, which computes the
+thresholds per block as described above. Both give the reference's codes and
+scales.
 
 Four Over Six sums the block errors in Triton's reduction order, which can
 differ from ``torch.sum``'s by an ulp; a block whose two errors are that
@@ -320,9 +323,15 @@ def _round_up_16(t, F16: tl.constexpr):
 
 
 @triton.jit
-def _store_pair(ptr, t, F16: tl.constexpr):
+def _pair16(t, F16: tl.constexpr):
+    """``_round_up_16(t)`` in both halves of an int32 word."""
     h = _round_up_16(t, F16)
-    tl.store(ptr, h | (h << 16))
+    return h | (h << 16)
+
+
+@triton.jit
+def _store_pair(ptr, t, F16: tl.constexpr):
+    tl.store(ptr, _pair16(t, F16))
 
 
 @triton.jit
@@ -543,16 +552,70 @@ def _split4(t):
 
 
 @triton.jit
-def _row(table_ptr, code):
-    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code."""
-    p = table_ptr + code * TABLE_WORDS
-    return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
+def _bf16_pair_above(t64):
+    """The smallest bf16 above ``t64`` in both halves of a word, for an fp64 ``t64`` that is no bf16
+    value and either at least 2^-126 (the smallest normal bf16) or +inf: the bf16 truncation of
+    ``t64`` (the top 16 bits of its fp64 pattern, re-biased: ``(hi >> 13) - (896 << 7)``) plus one,
+    +inf from the largest finite bf16 on."""
+    hi = (t64.to(tl.int64, bitcast=True) >> 32).to(tl.int32)
+    h = tl.minimum((hi >> 13) - 114687, 0x7F80)
+    return h * 65537
 
 
 @triton.jit
-def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16: tl.constexpr, ASM: tl.constexpr):
+def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr):
+    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code (E4M3 bits
+    ``code``, value ``scale``): the program's table row (``TABLE``), or the same values computed
+    in registers. ``BF16_FAST`` (bf16, and a global scale under 2^112, so that every threshold of a
+    non-zero scale is at least 2^-126): the threshold ``t+- * step`` is exact in fp64 (25 + 24
+    significant bits) and never a bf16 value (its significand is a product of odd numbers of 25 and
+    more bits), so the bf16 at or above it is its truncation plus one, read off the fp64 pattern.
+    Otherwise the table's own arithmetic (fp32 thresholds by directed rounding, then rounded up)."""
+    if TABLE:
+        p = table_ptr + code * TABLE_WORDS
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
+    elif BF16_FAST:
+        step = tl.math.div_rn(scale, global_enc)
+        s = tl.where(step > 0.0, step.to(tl.float64), float("inf"))  # a zero scale: +inf thresholds
+        # the constants of e2m1_thresholds: midpoints displaced by half an fp32 ulp (ties to even)
+        return (_bf16_pair_above(s * 0.250000014901161193847656250),
+                _bf16_pair_above(s * 0.749999970197677612304687500),
+                _bf16_pair_above(s * 1.250000059604644775390625000),
+                _bf16_pair_above(s * 1.749999940395355224609375000),
+                _bf16_pair_above(s * 2.500000119209289550781250000),
+                _bf16_pair_above(s * 3.499999880790710449218750000),
+                _bf16_pair_above(s * 5.000000238418579101562500000))
+    else:
+        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(tl.math.div_rn(scale, global_enc))
+        return (_pair16(t0, F16), _pair16(t1, F16), _pair16(t2, F16), _pair16(t3, F16), _pair16(t4, F16),
+                _pair16(t5, F16), _pair16(t6, F16))
+
+
+@triton.jit
+def _row_step(table_ptr, code, scale, global_enc, TABLE: tl.constexpr):
+    """The fp32 step ``scale / global_enc`` of each block (table word 8, or computed)."""
+    if TABLE:
+        step = tl.load(table_ptr + code * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
+    else:
+        step = tl.math.div_rn(scale, global_enc)
+    return step
+
+
+@triton.jit
+def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr):
+    """Each block's scale in both 16-bit halves of a word (table word 7, or converted; exact)."""
+    if TABLE:
+        s2 = tl.load(table_ptr + code * TABLE_WORDS + 7)
+    else:
+        s2 = _pair16(scale, F16)
+    return s2
+
+
+@triton.jit
+def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global_enc, F16: tl.constexpr,
+                  ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr):
     """The counts of a block's eight words against its code's thresholds."""
-    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code)
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, BF16_FAST)
     return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
@@ -614,7 +677,7 @@ def _quantize16_tile(
     wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     K, stride_sw,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr,
 ):
     w0, w1, w2, w3 = _split4(wa)
     w4, w5, w6, w7 = _split4(wb)
@@ -631,15 +694,17 @@ def _quantize16_tile(
         bmax = mbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
         bmax = (mbits << 16).to(tl.float32, bitcast=True)
-    _, code = e4m3_block_scale(bmax, global_enc, 6.0)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, F16, ASM)
+    scale, code = e4m3_block_scale(bmax, global_enc, 6.0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
+                                                   global_enc, F16, ASM, TABLE, BF16_FAST)
     chose_four = code < 0  # all False, in the per-block layout
     if FOUR_SIX != 0:
         # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
-        _, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, F16, ASM)
-        step6 = tl.load(table_ptr + code * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
-        step4 = tl.load(table_ptr + code4 * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
+        scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
+                                                       global_enc, F16, ASM, TABLE, BF16_FAST)
+        step6 = _row_step(table_ptr, code, scale, global_enc, TABLE)
+        step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE)
         err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
                         _half_block_error(c4, c5, c6, c7, a4, a5, a6, a7, step6, F16, FOUR_SIX, ASM), FOUR_SIX)
         err4 = _combine(_half_block_error(d0, d1, d2, d3, a0, a1, a2, a3, step4, F16, FOUR_SIX, ASM),
@@ -654,6 +719,7 @@ def _quantize16_tile(
         c6 = tl.where(chose_four, d6, c6)
         c7 = tl.where(chose_four, d7, c7)
         code = tl.where(chose_four, code4, code)
+        scale = tl.where(chose_four, scale4, scale)
 
     nblocks = K // 16
     sofs = rows64[:, None] * nblocks + blocks[None, :]
@@ -665,7 +731,7 @@ def _quantize16_tile(
         if FOUR_SIX != 0:
             tl.store(chose_ptr + sofs, chose_four.to(tl.int8), mask=mask2)
     if EMIT_SCALED:
-        s2 = tl.load(table_ptr + code * TABLE_WORDS + 7)
+        s2 = _row_scale(table_ptr, code, scale, F16, TABLE)
         q = (rows64[:, None] * stride_sw + blocks[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
         qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
                     _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
@@ -680,7 +746,7 @@ def _quantize16_kernel(
     x_ptr, amax_ptr, table_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr,
+    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -698,8 +764,9 @@ def _quantize16_kernel(
     dk = nprog % n_ktiles
     rows64, blocks, mask2 = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
     wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
-    table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
-    _write_table(table_ptr, global_enc, F16)
+    if TABLE:
+        table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
+        _write_table(table_ptr, global_enc, F16)
     for t in range(pid, n_tiles, nprog):
         tk += dk
         wrap = tk >= n_ktiles
@@ -707,8 +774,15 @@ def _quantize16_kernel(
         tk = tl.where(wrap, tk - n_ktiles, tk)
         nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
         na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
-        _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                         scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM)
+        if TABLE or F16:
+            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False)
+        elif global_enc < 5.192296858534828e33:  # 2^112: every bf16 threshold is normal (see _row)
+            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, True)
+        else:
+            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False)
         wa = na
         wb = nb
         rows64 = nrows64
@@ -751,10 +825,29 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
     return min(n_tiles, max(2 * sms, min(max_per_sm * sms, n_tiles // tiles_each)))
 
 
-# Below this many elements the fp32-compare kernel (no table, one tile a program) is as fast or
-# faster (H200: 2.9 vs 3.2 us at 16 x 4096, 3.1 vs 5.1 us at 128 x 4096, 8.4 vs 8.5 us at 1024 x 4096);
-# twice as many for the scaled operand (8.3 vs 9.1 us at 1024 x 4096; 13.9 vs 12.9 at 2048 x 4096).
-QUANT16_MIN_ELEMENTS = 1 << 22
+# Thresholds from the per-program table, or computed per block in registers (bf16: 7 exact fp64
+# products read off as bf16 patterns; fp16 and global scales of 2^112 and more: the table's own
+# arithmetic). The table costs each program a prologue (127 rows, 8 KB of stores and a barrier), so it
+# wants few programs with many tiles each; without it every program takes one tile. H200, 3 interleaved
+# rounds (`PHASES=table python3 benchmarks/quant16_h200.py`, results/quant16_h200_table.json), us, per
+# block / table: codes 1024 x 4096 5.6 / 8.6 (the fp32-compare kernel 8.4), 8192 x 4096 30.0 / 38.3,
+# 8192 x 14336 98.6 / 95.5, 8192 x 28672 192.9 / 184.1 (mse 435 / 396); the scaled W4A4 operand ahead at
+# every size (8192 x 28672 248.7 / 265.9). So the codes take the table from 32768 tiles (64M elements),
+# the scaled operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
+QUANT16_TABLE_MIN_TILES = 32768
+
+
+def _use_table(n_tiles: int, emit: str) -> bool:
+    forced = os.environ.get("FP4PTQ_QUANT16_TABLE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return emit == "packed" and n_tiles >= QUANT16_TABLE_MIN_TILES
+
+
+# Below this many elements the fp32-compare kernel takes 16-bit inputs too (a knob for comparisons): with
+# thresholds per block the 16-bit kernel is ahead at every size measured (H200, same run: 16 x 4096
+# 2.3 / 2.9 us, 128 x 4096 2.7 / 3.1, the scaled operand 2.4 / 3.1 and 2.7 / 3.4).
+QUANT16_MIN_ELEMENTS = 0
 
 
 # The 16-bit kernel is used for bf16 / fp16 inputs unless FP4PTQ_QUANT16=0 (the fp32-compare kernel
@@ -823,7 +916,7 @@ def launch_quantize(
     else:
         scaled = torch.empty(m, k, dtype=out_dtype or x.dtype, device=dev)
     words = None
-    big = m * k >= QUANT16_MIN_ELEMENTS * (1 if emit == "packed" else 2)
+    big = m * k > 0 and m * k >= QUANT16_MIN_ELEMENTS * (1 if emit == "packed" else 2)
     if QUANT16 and big and x.dtype in (torch.bfloat16, torch.float16) \
             and (scaled is None or scaled.dtype == x.dtype) and quant16_supported(dev, x.dtype):
         words = _words(x)
@@ -836,8 +929,13 @@ def launch_quantize(
         block_m, blocks_k, warps = _tile16(m, k)
         n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
         n_tiles = triton.cdiv(m, block_m) * n_ktiles
-        grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
-        table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
+        use_table = _use_table(n_tiles, emit)
+        if use_table:
+            grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
+            table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
+        else:  # a tile a program, 8 programs an SM (4 and 12 were no faster, same run)
+            grid = (_programs(dev, n_tiles, 8, 1),)
+            table = dummy
         _quantize16_kernel[grid](
             words, amax, table, enc,
             packed.view(torch.int32) if packed is not None else dummy,
@@ -847,7 +945,7 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
