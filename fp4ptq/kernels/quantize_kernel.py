@@ -832,16 +832,20 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
 # rounds (`PHASES=table python3 benchmarks/quant16_h200.py`, results/quant16_h200_table.json), us, per
 # block / table: codes 1024 x 4096 5.6 / 8.6 (the fp32-compare kernel 8.4), 8192 x 4096 30.0 / 38.3,
 # 8192 x 14336 98.6 / 95.5, 8192 x 28672 192.9 / 184.1 (mse 435 / 396); the scaled W4A4 operand ahead at
-# every size (8192 x 28672 248.7 / 265.9). So the codes take the table from 32768 tiles (64M elements),
-# the scaled operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
+# every size (8192 x 28672 248.7 / 265.9). fp16 (results/quant16_h200_table_fp16.json) alike, except
+# its slower per-block arithmetic under Four Over Six: 1024 x 4096 14.4 / 16.3 but 8192 x 4096 78.8 /
+# 73.1. So the codes take the table from 32768 tiles (64M elements; fp16 with 4/6 from 8192), the scaled
+# operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
 QUANT16_TABLE_MIN_TILES = 32768
+QUANT16_TABLE_MIN_TILES_F16_FOUR_SIX = 8192
 
 
-def _use_table(n_tiles: int, emit: str) -> bool:
+def _use_table(n_tiles: int, emit: str, f16: bool = False, four_six: Optional[str] = None) -> bool:
     forced = os.environ.get("FP4PTQ_QUANT16_TABLE")
     if forced in ("0", "1"):
         return forced == "1"
-    return emit == "packed" and n_tiles >= QUANT16_TABLE_MIN_TILES
+    least = QUANT16_TABLE_MIN_TILES_F16_FOUR_SIX if f16 and four_six else QUANT16_TABLE_MIN_TILES
+    return emit == "packed" and n_tiles >= least
 
 
 # Below this many elements the fp32-compare kernel takes 16-bit inputs too (a knob for comparisons): with
@@ -929,7 +933,7 @@ def launch_quantize(
         block_m, blocks_k, warps = _tile16(m, k)
         n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
         n_tiles = triton.cdiv(m, block_m) * n_ktiles
-        use_table = _use_table(n_tiles, emit)
+        use_table = _use_table(n_tiles, emit, x.dtype == torch.float16, four_six)
         if use_table:
             grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
             table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
