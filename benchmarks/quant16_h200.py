@@ -9,7 +9,7 @@ Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm,table,table_w4a4), BUDGET_S. 
 computed per block against the per-program table (exactness on the adversarial data, then 3
 interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_DTYPE=fp16 and
 TABLE_SIZES=1024x4096,... change the timed inputs); "table_w4a4": W4A4 end to end with each
-(W4A4_SHAPES, W4A4_VARIANTS, ROUNDS). "per_sm": the shipped programs per SM
+(W4A4_SHAPES, W4A4_VARIANTS, ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
 from __future__ import annotations
@@ -217,17 +217,17 @@ def variant(name):
     """Set the quantize dispatch to one of the "table" phase's variants (env + module knobs)."""
     for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM"):
         os.environ.pop(key, None)
-    qk.QUANT16_MIN_ELEMENTS = DEFAULT_MIN
+    qk.QUANT16_MIN_ROWS = DEFAULT_MIN
     if name == "shipped":
         return
-    qk.QUANT16_MIN_ELEMENTS = 0
+    qk.QUANT16_MIN_ROWS = 0
     kind, _, per_sm = name.partition("@")
     os.environ["FP4PTQ_QUANT16_TABLE"] = "1" if kind == "table" else "0"
     if per_sm:
         os.environ["FP4PTQ_QUANT16_PER_SM"] = per_sm
 
 
-DEFAULT_MIN = qk.QUANT16_MIN_ELEMENTS
+DEFAULT_MIN = qk.QUANT16_MIN_ROWS
 TABLE_DTYPE = torch.float16 if os.environ.get("TABLE_DTYPE") == "fp16" else torch.bfloat16
 TABLE_SIZES = [tuple(int(v) for v in mk.split("x")) for mk in os.environ.get(
     "TABLE_SIZES", "16x4096,128x4096,1024x4096,2048x4096,8192x4096,8192x14336,8192x28672").split(",")]
@@ -267,6 +267,38 @@ if "table" in PHASES:  # thresholds per block (no table) against the per-program
                    "median_us": {n: statistics.median(t) for n, t in times.items()}}
             res["table"].append(row)
             print("table", json.dumps(row), flush=True)
+    save()
+
+
+if "tiny" in PHASES:  # decode-sized activations: the 16-bit kernel (per block) against the fp32-compare one
+    res["tiny"] = []
+    for m, k in ((1, 4096), (2, 4096), (4, 4096), (16, 4096), (1, 14336), (1, 28672), (16, 14336)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        amax = x.float().abs().amax()
+        times = {}
+        for _ in range(5):
+            for emit in ("packed", "scaled"):
+                for old in (False, True):
+                    times.setdefault(f"{emit}_{'old' if old else 'new'}", []).append(bench_quant(x, amax, None, old, emit))
+        row = {"m": m, "k": k, "median_us": {v: statistics.median(t) for v, t in times.items()}}
+        res["tiny"].append(row)
+        print("tiny", json.dumps(row), flush=True)
+    for name in ("8B.qkv", "8B.o", "8B.down"):  # W4A4 decode end to end
+        n, k = peers.SHAPES[name]
+        wq = nvfp4.quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        for m in (1, 2, 16):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            amax = x.float().abs().amax()
+            times = {}
+            for _ in range(5):
+                for old in (False, True):
+                    qk.QUANT16 = not old
+                    times.setdefault("old" if old else "new", []).append(
+                        peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3)
+            qk.QUANT16 = True
+            row = {"shape": name, "m": m, "w4a4_median_us": {v: statistics.median(t) for v, t in times.items()}}
+            res["tiny"].append(row)
+            print("tiny", json.dumps(row), flush=True)
     save()
 
 

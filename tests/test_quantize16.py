@@ -175,3 +175,30 @@ def test_table_rule_follows_the_h200_measurements(monkeypatch):
     assert qk._use_table(1, "scaled")
     monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "0")
     assert not qk._use_table(1 << 20, "packed")
+
+
+def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
+    """Decode-sized activations (1-2 rows, where the H200 measured the fp32-compare kernel level or
+    ahead) take it; 3 rows and more the 16-bit kernel, which picks the table for large codes only."""
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.name, kwargs.get("TABLE")))
+
+    monkeypatch.setattr(qk, "_quantize16_kernel", Recorder("16-bit"))
+    monkeypatch.setattr(qk, "_quantize_kernel", Recorder("fp32"))
+    monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: True)
+    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
+    amax = torch.tensor(1.0)
+    for rows in (1, 2, 3, 16):
+        qk.launch_quantize(torch.zeros(rows, 4096, dtype=torch.bfloat16), amax)
+    qk.launch_quantize(torch.zeros(8, 4096, dtype=torch.float32), amax)
+    monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: 1)  # no tables of a million programs
+    qk.launch_quantize(torch.zeros(2048, 4096 * 8, dtype=torch.bfloat16), amax)  # 64M elements of codes
+    qk.launch_quantize(torch.zeros(2048, 4096 * 8, dtype=torch.bfloat16), amax, emit="scaled")
+    assert launched == [("fp32", None), ("fp32", None), ("16-bit", False), ("16-bit", False), ("fp32", None),
+                        ("16-bit", True), ("16-bit", False)]

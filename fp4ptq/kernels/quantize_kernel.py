@@ -29,15 +29,15 @@ correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
 Two kernels
 -----------
-bf16 / fp16 inputs (on sm_90, fp16 from sm_80) go to ``_quantize16_kernel``:
+bf16 / fp16 inputs of 3 rows and more (on sm_90, fp16 from sm_80) go to ``_quantize16_kernel``:
 two elements a 32-bit register, compared with the seven thresholds of each
 block's scale rounded up to the 16-bit format (exact for 16-bit inputs) and
 counted two at a time by packed instructions (inline PTX on the GPU; the same
 arithmetic in Triton under the interpreter). The thresholds come from a small
 per-program table of all scale codes on large inputs (codes of 64M elements and
 more), and are computed per block otherwise (bf16: seven exact fp64 products
-read off as bf16 patterns). Everything else (fp32 inputs, a scaled output in
-another dtype, older GPUs) goes to ``_quantize_kernel``, which computes the
+read off as bf16 patterns). Everything else (fp32 inputs, 1-2 rows, a scaled
+output in another dtype, older GPUs) goes to ``_quantize_kernel``, which computes the
 thresholds per block as described above. Both give the reference's codes and
 scales.
 
@@ -848,10 +848,12 @@ def _use_table(n_tiles: int, emit: str, f16: bool = False, four_six: Optional[st
     return emit == "packed" and n_tiles >= least
 
 
-# Below this many elements the fp32-compare kernel takes 16-bit inputs too (a knob for comparisons): with
-# thresholds per block the 16-bit kernel is ahead at every size measured (H200, same run: 16 x 4096
-# 2.3 / 2.9 us, 128 x 4096 2.7 / 3.1, the scaled operand 2.4 / 3.1 and 2.7 / 3.4).
-QUANT16_MIN_ELEMENTS = 0
+# Below this many rows the fp32-compare kernel takes 16-bit inputs too: with thresholds per block the
+# 16-bit kernel is ahead from 4 rows on and level or behind below (H200, 5 interleaved rounds,
+# results/quant16_h200_tiny.json, us, 16-bit / fp32-compare: 16 x 4096 2.38 / 2.94, 4 x 4096 2.33 /
+# 2.42, 1 x 4096 2.32 / 2.31, the scaled operand 2.30 / 2.18; W4A4 at M = 1 on 8B.qkv 9.27 / 9.10, at
+# M = 16 14.1 / 14.9).
+QUANT16_MIN_ROWS = 3
 
 
 # The 16-bit kernel is used for bf16 / fp16 inputs unless FP4PTQ_QUANT16=0 (the fp32-compare kernel
@@ -895,10 +897,10 @@ def launch_quantize(
     emit="scaled": returns ``(v * block_scale [M, K] in out_dtype (default x's),
     global_enc)`` for the W4A4 GEMM.
 
-    Large bf16 / fp16 inputs go to the 16-bit kernel (two elements a register, thresholds from a
-    per-program table; bf16 on sm_90 and later, fp16 on sm_80 and later); fp32 and small inputs, a
-    scaled output in another dtype and older GPUs to the fp32-compare one. Both give the reference's
-    codes and scales.
+    bf16 / fp16 inputs of 3 rows and more go to the 16-bit kernel (two elements a register,
+    thresholds per block or from a per-program table; bf16 on sm_90 and later, fp16 on sm_80 and
+    later); fp32 inputs, 1-2 rows, a scaled output in another dtype and older GPUs to the
+    fp32-compare one. Both give the reference's codes and scales.
     """
     if emit not in EMITS:
         raise ValueError(f"emit must be one of {EMITS}, got {emit!r}")
@@ -920,7 +922,7 @@ def launch_quantize(
     else:
         scaled = torch.empty(m, k, dtype=out_dtype or x.dtype, device=dev)
     words = None
-    big = m * k > 0 and m * k >= QUANT16_MIN_ELEMENTS * (1 if emit == "packed" else 2)
+    big = m * k > 0 and m >= QUANT16_MIN_ROWS
     if QUANT16 and big and x.dtype in (torch.bfloat16, torch.float16) \
             and (scaled is None or scaled.dtype == x.dtype) and quant16_supported(dev, x.dtype):
         words = _words(x)
