@@ -7,8 +7,10 @@ fp32-compare kernel it replaces, a tile sweep, and W4A4 (quantize + cuBLAS) at M
 
 Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm,table,table_w4a4), BUDGET_S. "table": thresholds
 computed per block against the per-program table (exactness on the adversarial data, then 3
-interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_DTYPE=fp16 and
-TABLE_SIZES=1024x4096,... change the timed inputs); "table_w4a4": W4A4 end to end with each
+interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_CHECK_VARIANT
+checks another variant than "block", TABLE_DTYPE=fp16 and
+TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,table~2,block (~: the table prologue's store variant) and
+TABLE_EMITS=packed:none,packed:mse change what is timed); "table_w4a4": W4A4 end to end with each
 (W4A4_SHAPES, W4A4_VARIANTS, ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
@@ -215,14 +217,17 @@ if "per_sm" in PHASES:
 
 def variant(name):
     """Set the quantize dispatch to one of the "table" phase's variants (env + module knobs)."""
-    for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM"):
+    for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM", "FP4PTQ_QUANT16_TABLE_WIDE"):
         os.environ.pop(key, None)
     qk.QUANT16_MIN_ROWS = DEFAULT_MIN
     if name == "shipped":
         return
     qk.QUANT16_MIN_ROWS = 0
     kind, _, per_sm = name.partition("@")
+    kind, _, wide = kind.partition("~")  # "table~2": the table written by the WIDE = 2 prologue
     os.environ["FP4PTQ_QUANT16_TABLE"] = "1" if kind == "table" else "0"
+    if wide:
+        os.environ["FP4PTQ_QUANT16_TABLE_WIDE"] = wide
     if per_sm:
         os.environ["FP4PTQ_QUANT16_PER_SM"] = per_sm
 
@@ -236,7 +241,7 @@ if "table" in PHASES:  # thresholds per block (no table) against the per-program
     check_dtypes = (torch.bfloat16, torch.float16) if os.environ.get("TABLE_CHECK", "1") == "1" else ()
     for dtype in check_dtypes:  # the per-block kernel on the adversarial data
         every, below = patterns(dtype)
-        variant("block")
+        variant(os.environ.get("TABLE_CHECK_VARIANT", "block"))
         for name, x in (("every_pattern", every), ("below_block_max", below)):
             for amax in (None, 1.0, 1e-3, 3e4 if dtype == torch.float16 else 1e30, 1e-35 if dtype == torch.bfloat16 else 1e-7):
                 for rule in (None, "mse", "max"):
@@ -248,13 +253,14 @@ if "table" in PHASES:  # thresholds per block (no table) against the per-program
         variant("shipped")
     save()
     res["table"] = []
-    names = ("shipped", "table", "block", "block@4", "block@12", "old")
+    names = tuple(os.environ.get("TABLE_VARIANTS", "shipped,table,block,block@4,block@12,old").split(","))
     for m, k in TABLE_SIZES:
         if time.time() - T0 > BUDGET:
             break
         x = torch.randn(m, k, device=dev, dtype=TABLE_DTYPE)
         amax = x.float().abs().amax()
-        for emit, rule in (("packed", None), ("scaled", None), ("packed", "mse")):
+        for emit, rule in [tuple(None if v == "none" else v for v in er.split(":")) for er in os.environ.get(
+                "TABLE_EMITS", "packed:none,scaled:none,packed:mse").split(",")]:
             if rule and m * k < 1 << 22:
                 continue
             times = {}

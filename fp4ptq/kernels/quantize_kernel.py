@@ -330,27 +330,58 @@ def _pair16(t, F16: tl.constexpr):
 
 
 @triton.jit
-def _store_pair(ptr, t, F16: tl.constexpr):
-    tl.store(ptr, _pair16(t, F16))
-
-
-@triton.jit
-def _write_table(table_ptr, global_enc, F16: tl.constexpr):
-    """Every program's prologue: the table rows of all codes (one a thread), then a barrier."""
-    code = tl.arange(0, TABLE_ROWS)
-    scale = tl.where(code < 127, _e4m3_value(code), 0.0)
-    step = tl.math.div_rn(scale, global_enc)
-    t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
-    row = table_ptr + code * TABLE_WORDS
-    _store_pair(row, t0, F16)
-    _store_pair(row + 1, t1, F16)
-    _store_pair(row + 2, t2, F16)
-    _store_pair(row + 3, t3, F16)
-    _store_pair(row + 4, t4, F16)
-    _store_pair(row + 5, t5, F16)
-    _store_pair(row + 6, t6, F16)
-    _store_pair(row + 7, scale, F16)  # E4M3 values are exact in both formats
-    tl.store(row + 8, step.to(tl.int32, bitcast=True))
+def _write_table(table_ptr, global_enc, F16: tl.constexpr, WIDE: tl.constexpr):
+    """Every program's prologue: the table rows of all codes, then a barrier."""
+    if WIDE == 2:  # each word computed where it is stored: whole lines a store instruction
+        code = tl.arange(0, TABLE_ROWS)[:, None]
+        col = tl.arange(0, TABLE_WORDS)[None, :]
+        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
+        step = tl.math.div_rn(scale, global_enc)
+        one = tl.full((1, TABLE_WORDS), 1.0, tl.float64)  # the constants of e2m1_thresholds, in fp64
+        mult = tl.where(col == 0, one * 0.250000014901161193847656250, tl.where(col == 1, one * 0.749999970197677612304687500,
+               tl.where(col == 2, one * 1.250000059604644775390625000, tl.where(col == 3, one * 1.749999940395355224609375000,
+               tl.where(col == 4, one * 2.500000119209289550781250000, tl.where(col == 5, one * 3.499999880790710449218750000,
+                        one * 5.000000238418579101562500000))))))
+        b64 = step.to(tl.float64) * mult
+        b32 = b64.to(tl.float32)
+        back = b32.to(tl.float64)
+        bits = b32.to(tl.int32, bitcast=True)
+        above = tl.where((col % 2) == 0, back > b64, back >= b64)  # ">" tests at even columns (see e2m1_thresholds)
+        t = tl.where(step <= 0.0, float("inf"), tl.where(above, bits, bits + 1).to(tl.float32, bitcast=True))
+        row = tl.where(col < 7, _pair16(t, F16), tl.where(col == 7, _pair16(scale, F16),
+                       tl.where(col == 8, step.to(tl.int32, bitcast=True), 0)))
+        tl.store(table_ptr + code * TABLE_WORDS + col, row)
+    elif WIDE == 1:  # a row a thread, stored as one [rows, words] block (16-byte vectors)
+        code = tl.arange(0, TABLE_ROWS)
+        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
+        step = tl.math.div_rn(scale, global_enc)
+        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
+        col = tl.arange(0, TABLE_WORDS)[None, :]
+        row = tl.where(col == 8, step.to(tl.int32, bitcast=True)[:, None], 0)
+        row = tl.where(col == 7, _pair16(scale, F16)[:, None], row)  # E4M3 values are exact in both formats
+        row = tl.where(col == 6, _pair16(t6, F16)[:, None], row)
+        row = tl.where(col == 5, _pair16(t5, F16)[:, None], row)
+        row = tl.where(col == 4, _pair16(t4, F16)[:, None], row)
+        row = tl.where(col == 3, _pair16(t3, F16)[:, None], row)
+        row = tl.where(col == 2, _pair16(t2, F16)[:, None], row)
+        row = tl.where(col == 1, _pair16(t1, F16)[:, None], row)
+        row = tl.where(col == 0, _pair16(t0, F16)[:, None], row)
+        tl.store(table_ptr + code[:, None] * TABLE_WORDS + col, row)
+    else:  # a row a thread, word by word
+        code = tl.arange(0, TABLE_ROWS)
+        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
+        step = tl.math.div_rn(scale, global_enc)
+        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
+        row = table_ptr + code * TABLE_WORDS
+        tl.store(row, _pair16(t0, F16))
+        tl.store(row + 1, _pair16(t1, F16))
+        tl.store(row + 2, _pair16(t2, F16))
+        tl.store(row + 3, _pair16(t3, F16))
+        tl.store(row + 4, _pair16(t4, F16))
+        tl.store(row + 5, _pair16(t5, F16))
+        tl.store(row + 6, _pair16(t6, F16))
+        tl.store(row + 7, _pair16(scale, F16))  # E4M3 values are exact in both formats
+        tl.store(row + 8, step.to(tl.int32, bitcast=True))
     tl.debug_barrier()
 
 
@@ -747,6 +778,7 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
+    TABLE_WIDE: tl.constexpr = 0,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -766,7 +798,7 @@ def _quantize16_kernel(
     wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
     if TABLE:
         table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
-        _write_table(table_ptr, global_enc, F16)
+        _write_table(table_ptr, global_enc, F16, TABLE_WIDE)
     for t in range(pid, n_tiles, nprog):
         tk += dk
         wrap = tk >= n_ktiles
@@ -951,7 +983,8 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, num_warps=warps, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, TABLE_WIDE=int(os.environ.get("FP4PTQ_QUANT16_TABLE_WIDE", "0")),
+            num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
