@@ -144,7 +144,7 @@ def quant16(tk, monkeypatch, request):
     the per-program table or computed per block."""
     qk, _ = tk
     monkeypatch.setattr(qk, "QUANT16_MIN_ROWS", 0)
-    monkeypatch.setattr(qk, "_use_table", lambda n_tiles, emit, f16, four_six: request.param)
+    monkeypatch.setattr(qk, "_use_table", lambda n_tiles, emit, four_six: request.param)
     monkeypatch.setattr(qk, "_tile16", lambda m, k: (8, 4, 4))
     monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: min(n_tiles, 3))
     return qk

@@ -139,6 +139,9 @@ def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, tab
     assert "ld.local" not in ptx and "st.local" not in ptx
     scalar_loads = len(re.findall(r"ld\.global(?:\.[a-z]+)*\.b32 ", ptx))
     assert (scalar_loads > 1) == table  # table rows; the amax is the one scalar load of both
+    # the table prologue stores whole lines: 16-byte vectors, no scalar stores but the global scale's
+    assert (len(re.findall(r"st\.global\.v4\.b32", ptx)) >= 4) == table
+    assert len(re.findall(r"st\.global\.b32 ", ptx)) == 1
 
 
 def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
@@ -162,15 +165,14 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
 
 
 def test_table_rule_follows_the_h200_measurements(monkeypatch):
-    """Codes take the per-program table from 32768 tiles (64M elements) on (fp16 under Four Over Six
-    from 8192), the scaled W4A4 operand never; ``FP4PTQ_QUANT16_TABLE`` forces either way."""
+    """Codes take the per-program table from 32768 tiles (64M elements) on, from 8192 under Four Over
+    Six, the scaled W4A4 operand never; ``FP4PTQ_QUANT16_TABLE`` forces either way."""
     monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
     assert not qk._use_table(16384, "packed") and not qk._use_table(32767, "packed")
     assert qk._use_table(32768, "packed") and qk._use_table(1 << 20, "packed")
     assert not qk._use_table(1 << 20, "scaled")
-    assert not qk._use_table(16384, "packed", False, "mse") and not qk._use_table(16384, "packed", True, None)
-    assert qk._use_table(8192, "packed", True, "mse") and not qk._use_table(8191, "packed", True, "mse")
-    assert not qk._use_table(1 << 20, "scaled", True, "mse")
+    assert qk._use_table(8192, "packed", "mse") and not qk._use_table(8191, "packed", "mae")
+    assert not qk._use_table(1 << 20, "scaled", "mse")
     monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "1")
     assert qk._use_table(1, "scaled")
     monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "0")

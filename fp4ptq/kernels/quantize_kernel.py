@@ -35,7 +35,7 @@ block's scale rounded up to the 16-bit format (exact for 16-bit inputs) and
 counted two at a time by packed instructions (inline PTX on the GPU; the same
 arithmetic in Triton under the interpreter). The thresholds come from a small
 per-program table of all scale codes on large inputs (codes of 64M elements and
-more), and are computed per block otherwise (bf16: seven exact fp64 products
+more, 16M under Four Over Six), and are computed per block otherwise (bf16: seven exact fp64 products
 read off as bf16 patterns). Everything else (fp32 inputs, 1-2 rows, a scaled
 output in another dtype, older GPUs) goes to ``_quantize_kernel``, which computes the
 thresholds per block as described above. Both give the reference's codes and
@@ -330,58 +330,32 @@ def _pair16(t, F16: tl.constexpr):
 
 
 @triton.jit
-def _write_table(table_ptr, global_enc, F16: tl.constexpr, WIDE: tl.constexpr):
-    """Every program's prologue: the table rows of all codes, then a barrier."""
-    if WIDE == 2:  # each word computed where it is stored: whole lines a store instruction
-        code = tl.arange(0, TABLE_ROWS)[:, None]
-        col = tl.arange(0, TABLE_WORDS)[None, :]
+def _write_table(table_ptr, global_enc, F16: tl.constexpr):
+    """Every program's prologue: the table rows of all codes, then a barrier. Each word is computed
+    where it is stored, 32 rows at a time: a warp's store instruction then writes 512 contiguous bytes
+    (16-byte vectors), where a row a thread stored one word of 32 rows 64 bytes apart (H200: 8192 x 4096
+    38.2 -> 29.4 us, mse at 8192 x 28672 393.5 -> 382.6; results/quant16_h200_table_wide2.json). The
+    values are ``e2m1_thresholds``' (its fp64 constants and directed rounding), word by word."""
+    col = tl.arange(0, TABLE_WORDS)[None, :]
+    one = tl.full((1, TABLE_WORDS), 1.0, tl.float64)  # fp64 constants (a bare literal would be fp32)
+    mult = tl.where(col == 0, one * 0.250000014901161193847656250, tl.where(col == 1, one * 0.749999970197677612304687500,
+           tl.where(col == 2, one * 1.250000059604644775390625000, tl.where(col == 3, one * 1.749999940395355224609375000,
+           tl.where(col == 4, one * 2.500000119209289550781250000, tl.where(col == 5, one * 3.499999880790710449218750000,
+                    one * 5.000000238418579101562500000))))))
+    for r0 in tl.static_range(0, TABLE_ROWS, 32):
+        code = r0 + tl.arange(0, 32)[:, None]
         scale = tl.where(code < 127, _e4m3_value(code), 0.0)
         step = tl.math.div_rn(scale, global_enc)
-        one = tl.full((1, TABLE_WORDS), 1.0, tl.float64)  # the constants of e2m1_thresholds, in fp64
-        mult = tl.where(col == 0, one * 0.250000014901161193847656250, tl.where(col == 1, one * 0.749999970197677612304687500,
-               tl.where(col == 2, one * 1.250000059604644775390625000, tl.where(col == 3, one * 1.749999940395355224609375000,
-               tl.where(col == 4, one * 2.500000119209289550781250000, tl.where(col == 5, one * 3.499999880790710449218750000,
-                        one * 5.000000238418579101562500000))))))
         b64 = step.to(tl.float64) * mult
-        b32 = b64.to(tl.float32)
+        b32 = b64.to(tl.float32)  # nearest, then stepped up to the smallest fp32 above (">") / at or above
         back = b32.to(tl.float64)
         bits = b32.to(tl.int32, bitcast=True)
-        above = tl.where((col % 2) == 0, back > b64, back >= b64)  # ">" tests at even columns (see e2m1_thresholds)
+        above = tl.where((col % 2) == 0, back > b64, back >= b64)  # ">" tests at the even words
         t = tl.where(step <= 0.0, float("inf"), tl.where(above, bits, bits + 1).to(tl.float32, bitcast=True))
+        # words 0-6 the thresholds, 7 the scale (E4M3 values are exact in both formats), 8 the fp32 step
         row = tl.where(col < 7, _pair16(t, F16), tl.where(col == 7, _pair16(scale, F16),
                        tl.where(col == 8, step.to(tl.int32, bitcast=True), 0)))
         tl.store(table_ptr + code * TABLE_WORDS + col, row)
-    elif WIDE == 1:  # a row a thread, stored as one [rows, words] block (16-byte vectors)
-        code = tl.arange(0, TABLE_ROWS)
-        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
-        step = tl.math.div_rn(scale, global_enc)
-        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
-        col = tl.arange(0, TABLE_WORDS)[None, :]
-        row = tl.where(col == 8, step.to(tl.int32, bitcast=True)[:, None], 0)
-        row = tl.where(col == 7, _pair16(scale, F16)[:, None], row)  # E4M3 values are exact in both formats
-        row = tl.where(col == 6, _pair16(t6, F16)[:, None], row)
-        row = tl.where(col == 5, _pair16(t5, F16)[:, None], row)
-        row = tl.where(col == 4, _pair16(t4, F16)[:, None], row)
-        row = tl.where(col == 3, _pair16(t3, F16)[:, None], row)
-        row = tl.where(col == 2, _pair16(t2, F16)[:, None], row)
-        row = tl.where(col == 1, _pair16(t1, F16)[:, None], row)
-        row = tl.where(col == 0, _pair16(t0, F16)[:, None], row)
-        tl.store(table_ptr + code[:, None] * TABLE_WORDS + col, row)
-    else:  # a row a thread, word by word
-        code = tl.arange(0, TABLE_ROWS)
-        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
-        step = tl.math.div_rn(scale, global_enc)
-        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(step)
-        row = table_ptr + code * TABLE_WORDS
-        tl.store(row, _pair16(t0, F16))
-        tl.store(row + 1, _pair16(t1, F16))
-        tl.store(row + 2, _pair16(t2, F16))
-        tl.store(row + 3, _pair16(t3, F16))
-        tl.store(row + 4, _pair16(t4, F16))
-        tl.store(row + 5, _pair16(t5, F16))
-        tl.store(row + 6, _pair16(t6, F16))
-        tl.store(row + 7, _pair16(scale, F16))  # E4M3 values are exact in both formats
-        tl.store(row + 8, step.to(tl.int32, bitcast=True))
     tl.debug_barrier()
 
 
@@ -778,7 +752,6 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
-    TABLE_WIDE: tl.constexpr = 0,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -798,7 +771,7 @@ def _quantize16_kernel(
     wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
     if TABLE:
         table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
-        _write_table(table_ptr, global_enc, F16, TABLE_WIDE)
+        _write_table(table_ptr, global_enc, F16)
     for t in range(pid, n_tiles, nprog):
         tk += dk
         wrap = tk >= n_ktiles
@@ -861,22 +834,22 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
 # products read off as bf16 patterns; fp16 and global scales of 2^112 and more: the table's own
 # arithmetic). The table costs each program a prologue (127 rows, 8 KB of stores and a barrier), so it
 # wants few programs with many tiles each; without it every program takes one tile. H200, 3 interleaved
-# rounds (`PHASES=table python3 benchmarks/quant16_h200.py`, results/quant16_h200_table.json), us, per
-# block / table: codes 1024 x 4096 5.6 / 8.6 (the fp32-compare kernel 8.4), 8192 x 4096 30.0 / 38.3,
-# 8192 x 14336 98.6 / 95.5, 8192 x 28672 192.9 / 184.1 (mse 435 / 396); the scaled W4A4 operand ahead at
-# every size (8192 x 28672 248.7 / 265.9). fp16 (results/quant16_h200_table_fp16.json) alike, except
-# its slower per-block arithmetic under Four Over Six: 1024 x 4096 14.4 / 16.3 but 8192 x 4096 78.8 /
-# 73.1. So the codes take the table from 32768 tiles (64M elements; fp16 with 4/6 from 8192), the scaled
-# operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
+# rounds (`PHASES=table python3 benchmarks/quant16_h200.py`, results/quant16_h200_table.json and
+# quant16_h200_table_wide2.json), us, per block / table: codes 1024 x 4096 5.6 / 7.4 (the fp32-compare
+# kernel 8.4), 8192 x 4096 30.0 / 29.4, 8192 x 14336 96.9 / 96.7, 8192 x 28672 194.5 / 186.0; Four Over Six
+# (mse) 1024 x 4096 12.8 / 14.3, 8192 x 4096 66.9 / 61.0, 8192 x 28672 434.8 / 382.6; the scaled W4A4
+# operand ahead per block at every size (8192 x 28672 249.3 / 261.8). fp16 (quant16_h200_table_fp16.json,
+# the row-a-thread table then) alike. So codes take the table from 32768 tiles (64M elements), from 8192
+# under Four Over Six; the scaled operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
 QUANT16_TABLE_MIN_TILES = 32768
-QUANT16_TABLE_MIN_TILES_F16_FOUR_SIX = 8192
+QUANT16_TABLE_MIN_TILES_FOUR_SIX = 8192
 
 
-def _use_table(n_tiles: int, emit: str, f16: bool = False, four_six: Optional[str] = None) -> bool:
+def _use_table(n_tiles: int, emit: str, four_six: Optional[str] = None) -> bool:
     forced = os.environ.get("FP4PTQ_QUANT16_TABLE")
     if forced in ("0", "1"):
         return forced == "1"
-    least = QUANT16_TABLE_MIN_TILES_F16_FOUR_SIX if f16 and four_six else QUANT16_TABLE_MIN_TILES
+    least = QUANT16_TABLE_MIN_TILES_FOUR_SIX if four_six else QUANT16_TABLE_MIN_TILES
     return emit == "packed" and n_tiles >= least
 
 
@@ -967,7 +940,7 @@ def launch_quantize(
         block_m, blocks_k, warps = _tile16(m, k)
         n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
         n_tiles = triton.cdiv(m, block_m) * n_ktiles
-        use_table = _use_table(n_tiles, emit, x.dtype == torch.float16, four_six)
+        use_table = _use_table(n_tiles, emit, four_six)
         if use_table:
             grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
             table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
@@ -983,8 +956,7 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, TABLE_WIDE=int(os.environ.get("FP4PTQ_QUANT16_TABLE_WIDE", "0")),
-            num_warps=warps, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
