@@ -330,20 +330,37 @@ def _pair16(t, F16: tl.constexpr):
 
 
 @triton.jit
-def _write_table(table_ptr, global_enc, F16: tl.constexpr):
+def _table_at(table_ptr, code, word, WORD_MAJOR: tl.constexpr):
+    """Address of ``word`` of ``code``'s table row: rows of 16 words, or (``WORD_MAJOR``) word ``w``
+    of every code together, so that a warp gathering one word of its blocks' codes (neighbouring
+    blocks have neighbouring scales) touches one or two 128-byte lines instead of one per row."""
+    if WORD_MAJOR:
+        return table_ptr + word * TABLE_ROWS + code
+    else:
+        return table_ptr + code * TABLE_WORDS + word
+
+
+@triton.jit
+def _write_table(table_ptr, global_enc, F16: tl.constexpr, WORD_MAJOR: tl.constexpr):
     """Every program's prologue: the table rows of all codes, then a barrier. Each word is computed
     where it is stored, 32 rows at a time: a warp's store instruction then writes 512 contiguous bytes
     (16-byte vectors), where a row a thread stored one word of 32 rows 64 bytes apart (H200: 8192 x 4096
     38.2 -> 29.4 us, mse at 8192 x 28672 393.5 -> 382.6; results/quant16_h200_table_wide2.json). The
     values are ``e2m1_thresholds``' (its fp64 constants and directed rounding), word by word."""
-    col = tl.arange(0, TABLE_WORDS)[None, :]
-    one = tl.full((1, TABLE_WORDS), 1.0, tl.float64)  # fp64 constants (a bare literal would be fp32)
+    if WORD_MAJOR:  # [words, codes]: codes contiguous
+        col = tl.arange(0, TABLE_WORDS)[:, None]
+    else:
+        col = tl.arange(0, TABLE_WORDS)[None, :]
+    one = tl.where(col >= 0, 1.0, 0.0).to(tl.float64)  # fp64 constants (a bare literal would be fp32)
     mult = tl.where(col == 0, one * 0.250000014901161193847656250, tl.where(col == 1, one * 0.749999970197677612304687500,
            tl.where(col == 2, one * 1.250000059604644775390625000, tl.where(col == 3, one * 1.749999940395355224609375000,
            tl.where(col == 4, one * 2.500000119209289550781250000, tl.where(col == 5, one * 3.499999880790710449218750000,
                     one * 5.000000238418579101562500000))))))
     for r0 in tl.static_range(0, TABLE_ROWS, 32):
-        code = r0 + tl.arange(0, 32)[:, None]
+        if WORD_MAJOR:
+            code = r0 + tl.arange(0, 32)[None, :]
+        else:
+            code = r0 + tl.arange(0, 32)[:, None]
         scale = tl.where(code < 127, _e4m3_value(code), 0.0)
         step = tl.math.div_rn(scale, global_enc)
         b64 = step.to(tl.float64) * mult
@@ -355,7 +372,7 @@ def _write_table(table_ptr, global_enc, F16: tl.constexpr):
         # words 0-6 the thresholds, 7 the scale (E4M3 values are exact in both formats), 8 the fp32 step
         row = tl.where(col < 7, _pair16(t, F16), tl.where(col == 7, _pair16(scale, F16),
                        tl.where(col == 8, step.to(tl.int32, bitcast=True), 0)))
-        tl.store(table_ptr + code * TABLE_WORDS + col, row)
+        tl.store(_table_at(table_ptr, code, col, WORD_MAJOR), row)
     tl.debug_barrier()
 
 
@@ -568,7 +585,8 @@ def _bf16_pair_above(t64):
 
 
 @triton.jit
-def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr):
+def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr,
+         WORD_MAJOR: tl.constexpr):
     """The seven 16-bit thresholds (in both halves of a word) of each block's scale code (E4M3 bits
     ``code``, value ``scale``): the program's table row (``TABLE``), or the same values computed
     in registers. ``BF16_FAST`` (bf16, and a global scale under 2^112, so that every threshold of a
@@ -577,8 +595,10 @@ def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.conste
     more bits), so the bf16 at or above it is its truncation plus one, read off the fp64 pattern.
     Otherwise the table's own arithmetic (fp32 thresholds by directed rounding, then rounded up)."""
     if TABLE:
-        p = table_ptr + code * TABLE_WORDS
-        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4), tl.load(p + 5), tl.load(p + 6)
+        return (tl.load(_table_at(table_ptr, code, 0, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 1, WORD_MAJOR)),
+                tl.load(_table_at(table_ptr, code, 2, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 3, WORD_MAJOR)),
+                tl.load(_table_at(table_ptr, code, 4, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 5, WORD_MAJOR)),
+                tl.load(_table_at(table_ptr, code, 6, WORD_MAJOR)))
     elif BF16_FAST:
         step = tl.math.div_rn(scale, global_enc)
         s = tl.where(step > 0.0, step.to(tl.float64), float("inf"))  # a zero scale: +inf thresholds
@@ -597,20 +617,20 @@ def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.conste
 
 
 @triton.jit
-def _row_step(table_ptr, code, scale, global_enc, TABLE: tl.constexpr):
+def _row_step(table_ptr, code, scale, global_enc, TABLE: tl.constexpr, WORD_MAJOR: tl.constexpr):
     """The fp32 step ``scale / global_enc`` of each block (table word 8, or computed)."""
     if TABLE:
-        step = tl.load(table_ptr + code * TABLE_WORDS + 8).to(tl.float32, bitcast=True)
+        step = tl.load(_table_at(table_ptr, code, 8, WORD_MAJOR)).to(tl.float32, bitcast=True)
     else:
         step = tl.math.div_rn(scale, global_enc)
     return step
 
 
 @triton.jit
-def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr):
+def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr, WORD_MAJOR: tl.constexpr):
     """Each block's scale in both 16-bit halves of a word (table word 7, or converted; exact)."""
     if TABLE:
-        s2 = tl.load(table_ptr + code * TABLE_WORDS + 7)
+        s2 = tl.load(_table_at(table_ptr, code, 7, WORD_MAJOR))
     else:
         s2 = _pair16(scale, F16)
     return s2
@@ -618,9 +638,9 @@ def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr):
 
 @triton.jit
 def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global_enc, F16: tl.constexpr,
-                  ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr):
+                  ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr, WORD_MAJOR: tl.constexpr):
     """The counts of a block's eight words against its code's thresholds."""
-    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, BF16_FAST)
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, BF16_FAST, WORD_MAJOR)
     return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
@@ -682,7 +702,7 @@ def _quantize16_tile(
     wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     K, stride_sw,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr,
+    ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr, WORD_MAJOR: tl.constexpr,
 ):
     w0, w1, w2, w3 = _split4(wa)
     w4, w5, w6, w7 = _split4(wb)
@@ -701,15 +721,15 @@ def _quantize16_tile(
         bmax = (mbits << 16).to(tl.float32, bitcast=True)
     scale, code = e4m3_block_scale(bmax, global_enc, 6.0)
     c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
-                                                   global_enc, F16, ASM, TABLE, BF16_FAST)
+                                                   global_enc, F16, ASM, TABLE, BF16_FAST, WORD_MAJOR)
     chose_four = code < 0  # all False, in the per-block layout
     if FOUR_SIX != 0:
         # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
         scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
         d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
-                                                       global_enc, F16, ASM, TABLE, BF16_FAST)
-        step6 = _row_step(table_ptr, code, scale, global_enc, TABLE)
-        step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE)
+                                                       global_enc, F16, ASM, TABLE, BF16_FAST, WORD_MAJOR)
+        step6 = _row_step(table_ptr, code, scale, global_enc, TABLE, WORD_MAJOR)
+        step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE, WORD_MAJOR)
         err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
                         _half_block_error(c4, c5, c6, c7, a4, a5, a6, a7, step6, F16, FOUR_SIX, ASM), FOUR_SIX)
         err4 = _combine(_half_block_error(d0, d1, d2, d3, a0, a1, a2, a3, step4, F16, FOUR_SIX, ASM),
@@ -736,7 +756,7 @@ def _quantize16_tile(
         if FOUR_SIX != 0:
             tl.store(chose_ptr + sofs, chose_four.to(tl.int8), mask=mask2)
     if EMIT_SCALED:
-        s2 = _row_scale(table_ptr, code, scale, F16, TABLE)
+        s2 = _row_scale(table_ptr, code, scale, F16, TABLE, WORD_MAJOR)
         q = (rows64[:, None] * stride_sw + blocks[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
         qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
                     _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
@@ -752,6 +772,7 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
+    WORD_MAJOR: tl.constexpr = False,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -771,7 +792,7 @@ def _quantize16_kernel(
     wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
     if TABLE:
         table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
-        _write_table(table_ptr, global_enc, F16)
+        _write_table(table_ptr, global_enc, F16, WORD_MAJOR)
     for t in range(pid, n_tiles, nprog):
         tk += dk
         wrap = tk >= n_ktiles
@@ -781,13 +802,16 @@ def _quantize16_kernel(
         na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
         if TABLE or F16:
             _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False)
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False,
+                             WORD_MAJOR)
         elif global_enc < 5.192296858534828e33:  # 2^112: every bf16 threshold is normal (see _row)
             _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, True)
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, True,
+                             WORD_MAJOR)
         else:
             _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False)
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False,
+                             WORD_MAJOR)
         wa = na
         wb = nb
         rows64 = nrows64
@@ -956,7 +980,8 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, num_warps=warps, enable_fp_fusion=False,
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, WORD_MAJOR=os.environ.get("FP4PTQ_QUANT16_WORD_MAJOR") == "1",
+            num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
