@@ -9,7 +9,7 @@ Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm,table,table_w4a4), BUDGET_S. 
 computed per block against the per-program table (exactness on the adversarial data, then 3
 interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_CHECK_VARIANT
 checks another variant than "block", TABLE_DTYPE=fp16 and
-TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,block (tablew: stored word-major) and
+TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,tabler,block (the table stored word- / row-major; table: as the rule) and
 TABLE_EMITS=packed:none,packed:mse change what is timed); "table_w4a4": W4A4 end to end with each
 (W4A4_SHAPES, W4A4_VARIANTS, ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
@@ -225,8 +225,8 @@ def variant(name):
     qk.QUANT16_MIN_ROWS = 0
     kind, _, per_sm = name.partition("@")
     os.environ["FP4PTQ_QUANT16_TABLE"] = "1" if kind.startswith("table") else "0"
-    if kind == "tablew":  # the table stored word-major
-        os.environ["FP4PTQ_QUANT16_WORD_MAJOR"] = "1"
+    if kind in ("tablew", "tabler"):  # the table stored word-major / row-major
+        os.environ["FP4PTQ_QUANT16_WORD_MAJOR"] = "1" if kind == "tablew" else "0"
     if per_sm:
         os.environ["FP4PTQ_QUANT16_PER_SM"] = per_sm
 

@@ -124,7 +124,7 @@ def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, tab
     """The 16-bit kernel builds for sm_90 with the packed compares and adds, vectorized loads and
     no local memory; without the table, no table loads (only the input's 16-byte loads)."""
     ce = dict(F16=f16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=False, ASM=True, BLOCK_M=4, BLOCKS_K=64,
-              TABLE=table)
+              TABLE=table, WORD_MAJOR=table and not four_six)
     types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
              "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
     k = compile_for(qk._quantize16_kernel, types, ce, divisible=("K", "stride_xw", "stride_sw"), num_warps=4,
@@ -179,6 +179,14 @@ def test_table_rule_follows_the_h200_measurements(monkeypatch):
     assert not qk._use_table(1 << 20, "packed")
 
 
+def test_table_layout_rule(monkeypatch):
+    """Word-major for the standard codes, row-major under Four Over Six (the H200's faster of each)."""
+    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
+    assert qk._word_major(None) and not qk._word_major("mse") and not qk._word_major("max")
+    monkeypatch.setenv("FP4PTQ_QUANT16_WORD_MAJOR", "1")
+    assert qk._word_major("mse")
+
+
 def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
     """Decode-sized activations (1-2 rows, where the H200 measured the fp32-compare kernel level or
     ahead) take it; 3 rows and more the 16-bit kernel, which picks the table for large codes only."""
@@ -189,12 +197,13 @@ def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
             self.name = name
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((self.name, kwargs.get("TABLE")))
+            return lambda *args, **kwargs: launched.append((self.name, kwargs.get("TABLE"), kwargs.get("WORD_MAJOR")))
 
     monkeypatch.setattr(qk, "_quantize16_kernel", Recorder("16-bit"))
     monkeypatch.setattr(qk, "_quantize_kernel", Recorder("fp32"))
     monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: True)
     monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
+    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
     amax = torch.tensor(1.0)
     for rows in (1, 2, 3, 16):
         qk.launch_quantize(torch.zeros(rows, 4096, dtype=torch.bfloat16), amax)
@@ -202,5 +211,6 @@ def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
     monkeypatch.setattr(qk, "_programs", lambda device, n_tiles, *rule: 1)  # no tables of a million programs
     qk.launch_quantize(torch.zeros(2048, 4096 * 8, dtype=torch.bfloat16), amax)  # 64M elements of codes
     qk.launch_quantize(torch.zeros(2048, 4096 * 8, dtype=torch.bfloat16), amax, emit="scaled")
-    assert launched == [("fp32", None), ("fp32", None), ("16-bit", False), ("16-bit", False), ("fp32", None),
-                        ("16-bit", True), ("16-bit", False)]
+    qk.launch_quantize(torch.zeros(2048, 4096 * 8, dtype=torch.bfloat16), amax, "mse")
+    assert launched == [("fp32", None, None), ("fp32", None, None), ("16-bit", False, False), ("16-bit", False, False),
+                        ("fp32", None, None), ("16-bit", True, True), ("16-bit", False, False), ("16-bit", True, False)]

@@ -772,7 +772,7 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
-    WORD_MAJOR: tl.constexpr = False,
+    WORD_MAJOR: tl.constexpr,
 ):
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -875,6 +875,17 @@ def _use_table(n_tiles: int, emit: str, four_six: Optional[str] = None) -> bool:
         return forced == "1"
     least = QUANT16_TABLE_MIN_TILES_FOUR_SIX if four_six else QUANT16_TABLE_MIN_TILES
     return emit == "packed" and n_tiles >= least
+
+
+def _word_major(four_six: Optional[str]) -> bool:
+    """The table's layout: word-major ([word][code]) for the standard codes, row-major under Four Over
+    Six (H200, 3 interleaved rounds, results/quant16_h200_table_wordmajor.json, us, row / word-major:
+    codes 8192 x 14336 96.4 / 90.8 = 78% of copy, 8192 x 28672 185.6 / 179.9; mse 195.3 / 200.8 and
+    383.1 / 391.9). ``FP4PTQ_QUANT16_WORD_MAJOR=1`` / ``0`` forces one, for sweeps."""
+    forced = os.environ.get("FP4PTQ_QUANT16_WORD_MAJOR")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return four_six is None
 
 
 # Below this many rows the fp32-compare kernel takes 16-bit inputs too: with thresholds per block the
@@ -980,7 +991,7 @@ def launch_quantize(
             m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, WORD_MAJOR=os.environ.get("FP4PTQ_QUANT16_WORD_MAJOR") == "1",
+            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six),
             num_warps=warps, enable_fp_fusion=False,
         )
     else:
