@@ -11,7 +11,7 @@ interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, 
 checks another variant than "block", TABLE_DTYPE=fp16 and
 TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,tabler,block (the table stored word- / row-major; table: as the rule) and
 TABLE_EMITS=packed:none,packed:mse change what is timed); "table_w4a4": W4A4 end to end with each
-(W4A4_SHAPES, W4A4_VARIANTS, ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
+(W4A4_SHAPES, W4A4_VARIANTS (w4a16: the W4A16 dispatch), ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
 from __future__ import annotations
@@ -329,6 +329,9 @@ if "table_w4a4" in PHASES:  # W4A4 end to end (quantize + GEMM) with each quanti
         for _ in range(int(os.environ.get("ROUNDS", "3"))):
             times.setdefault("cublas_bf16", []).append(peers.bench(lambda: x @ w.t()) * 1e3)
             for v in os.environ.get("W4A4_VARIANTS", "shipped,block,block@4").split(","):
+                if v == "w4a16":  # the W4A16 dispatch on the same weight, for the same rounds
+                    times.setdefault(v, []).append(peers.bench(lambda: gm.linear_w4a16(x, wq)) * 1e3)
+                    continue
                 variant(v)
                 times.setdefault(v, []).append(peers.bench(lambda: gm.linear_w4a4(x, wq, amax)) * 1e3)
         variant("shipped")
