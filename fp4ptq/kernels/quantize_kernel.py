@@ -29,17 +29,17 @@ correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
 Two kernels
 -----------
-bf16 / fp16 inputs of 3 rows and more (on sm_90, fp16 from sm_80) go to ``_quantize16_kernel``:
-two elements a 32-bit register, compared with the seven thresholds of each
-block's scale rounded up to the 16-bit format (exact for 16-bit inputs) and
-counted two at a time by packed instructions (inline PTX on the GPU; the same
-arithmetic in Triton under the interpreter). The thresholds come from a small
-per-program table of all scale codes on large inputs (codes of 64M elements and
-more, 16M under Four Over Six), and are computed per block otherwise (bf16: seven exact fp64 products
-read off as bf16 patterns). Everything else (fp32 inputs, 1-2 rows, a scaled
-output in another dtype, older GPUs) goes to ``_quantize_kernel``, which computes the
-thresholds per block as described above. Both give the reference's codes and
-scales.
+bf16 / fp16 inputs of 3 rows and more (bf16 on sm_90, fp16 from sm_80) go to
+``_quantize16_kernel``: two elements a 32-bit register, compared with the seven
+thresholds of each block's scale rounded up to the 16-bit format (exact for
+16-bit inputs) and counted two at a time by packed instructions (inline PTX on
+the GPU; the same arithmetic in Triton under the interpreter). The thresholds
+come from a small per-program table of all scale codes on large inputs (codes
+of 64M elements and more, 16M under Four Over Six) and are computed per block
+otherwise (bf16: seven exact fp64 products read off as bf16 patterns).
+Everything else (fp32 inputs, 1-2 rows, a scaled output in another dtype,
+older GPUs) goes to ``_quantize_kernel``, which computes the thresholds per
+block as described above. Both give the reference's codes and scales.
 
 Four Over Six sums the block errors in Triton's reduction order, which can
 differ from ``torch.sum``'s by an ulp; a block whose two errors are that
@@ -284,17 +284,18 @@ def _quantize_kernel(
 
 
 # ---------------------------------------------------------------------------
-# The 16-bit kernel: bf16 / fp16 activations two at a time, thresholds from a table
+# The 16-bit kernel: bf16 / fp16 activations two at a time, thresholds per block or from a table
 # ---------------------------------------------------------------------------
-# A block's thresholds depend only on its E4M3 scale code (and on the global scale), so every program
-# first writes them for all 127 codes into its own small table in global memory (rows of 16 int32 words:
-# 0-6 the thresholds rounded up to the input's 16-bit format -- an exact 16-bit |x| is >= T iff it is
-# >= that -- each in both halves of the word; 7 the scale in both halves; 8 the fp32 step
-# ``scale / global_enc``), then gathers the row of each block's code instead of computing seven fp64
-# products per block. Each program reads its table after a barrier (its own writes are then visible
-# to all its threads; one table shared by all programs was measured 2-20x slower, every program
-# writing the same lines), and the grid is persistent (a few programs per SM looping over tiles), so
-# the table costs one row a thread per program: 8 KB of scratch each.
+# A block's thresholds depend only on its E4M3 scale code (and on the global scale). On large inputs
+# every program first writes them for all 127 codes into its own small table in global memory (16 int32
+# words a code: 0-6 the thresholds rounded up to the input's 16-bit format -- an exact 16-bit |x| is
+# >= T iff it is >= that -- each in both halves of the word; 7 the scale in both halves; 8 the fp32 step
+# ``scale / global_enc``; stored code-major or word-major, see ``_table_at``), then gathers the words of
+# each block's code instead of computing seven fp64 products per block. Each program reads its table
+# after a barrier (its own writes are then visible to all its threads; one table shared by all programs
+# was measured 2-20x slower, every program writing the same lines), and the grid is persistent (a few
+# programs per SM looping over tiles): 8 KB of scratch a program. Elsewhere each block computes its own
+# (``_row``), and every program takes a single tile.
 TABLE_ROWS = tl.constexpr(128)
 TABLE_WORDS = tl.constexpr(16)
 
