@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -35,6 +36,8 @@ SHAPES = {  # name: (N out, K in), Llama-3.1 linear layers
     "70B.down": (8192, 28672),
 }
 MS = (1, 16, 128, 1024, 8192)
+TARGET_MS = (1, 16, 1024, 8192)  # the rows the issue's targets read, re-timed in ROUNDS interleaved rounds
+ROUNDS = int(os.environ.get("ROUNDS", 3))
 QUANT_SHAPES = ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672))
 
 
@@ -362,6 +365,25 @@ def main_gpu():
                 except Exception as e:  # noqa: BLE001
                     res["rows"].append({"shape": name, "M": m, "impl": label, "error": repr(e)[:300]})
                     traceback.print_exc(limit=3)
+            if m in TARGET_MS and ROUNDS > 1 and time.time() - t0 <= budget:
+                # the rows the targets read, again in interleaved rounds: peers and ours alike move a
+                # few % between passes (cuBLAS bf16 itself 45-51 us on 8B.o at M = 1024 across runs)
+                fns = {"cublas_bf16": lambda x=x, f=impls["cublas_bf16"]: f(x), "ours_w4a16": ours["ours_w4a16"],
+                       "ours_w4a4": ours["ours_w4a4"]}
+                if m <= 16 and "tinygemm_int4_g128" in impls:
+                    fns["tinygemm_int4_g128"] = lambda x=x, f=impls["tinygemm_int4_g128"]: f(x)
+                rounds = {label: [] for label in fns}
+                try:
+                    for _ in range(ROUNDS):
+                        for label, fn in fns.items():
+                            rounds[label].append(peers.bench(fn))
+                    for label, ms_list in rounds.items():
+                        res.setdefault("interleaved", []).append(
+                            {"shape": name, "M": m, "impl": label, "ms_rounds": ms_list, "ms": statistics.median(ms_list)})
+                    print(f"{name:12} {m:5} interleaved x{ROUNDS}: " + " ".join(
+                        f"{label} {statistics.median(v)*1e3:.1f}us" for label, v in rounds.items()), flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res.setdefault("interleaved", []).append({"shape": name, "M": m, "error": repr(e)[:300]})
             del x
         del w, wq, wref, impls
         torch.cuda.empty_cache()
@@ -430,7 +452,23 @@ def report(path):
                     cells.append(f"{r['ms']*1e3:.1f}")
             if any(cells):
                 lines.append(f"| {name} ({n}x{k}) | {m} | " + " | ".join(cells) + " |")
-    lines += ["", "## Targets", "", "| target | shape | figure | met |", "|---|---|---|---|"]
+    inter = [r for r in res.get("interleaved", []) if "ms" in r]
+    if inter:  # the target rows' interleaved medians replace the single pass in the targets below
+        n_rounds = max(len(r["ms_rounds"]) for r in inter)
+        lines += ["", f"## Target rows re-timed in {n_rounds} interleaved rounds (median us; single pass above)", "",
+                  "| shape | M | cuBLAS bf16 | ours W4A16 | ours W4A4 | tinygemm int4 |", "|---|---|---|---|---|---|"]
+        iget = {(r["shape"], r["M"], r["impl"]): r for r in inter}
+        for name in SHAPES:
+            for m in TARGET_MS:
+                cells = [iget.get((name, m, i)) for i in ("cublas_bf16", "ours_w4a16", "ours_w4a4", "tinygemm_int4_g128")]
+                if any(cells):
+                    lines.append(f"| {name} | {m} | " + " | ".join(f"{c['ms']*1e3:.1f}" if c else "" for c in cells) + " |")
+        for key, r in iget.items():
+            single = get.get(key)
+            if single:
+                get[key] = dict(single, ms=r["ms"], TBps=single["TBps"] * single["ms"] / r["ms"])
+    lines += ["", "## Targets", "", "Read from the interleaved medians where the run has them.", "",
+              "| target | shape | figure | met |", "|---|---|---|---|"]
 
     def t(target, shape, figure, ok):
         lines.append(f"| {target} | {shape} | {figure} | {'met' if ok else 'NOT met'} |")
