@@ -9,8 +9,7 @@ Knobs: PHASES (check,time,sweep,sweep2,w4a4,per_sm,table,table_w4a4), BUDGET_S. 
 computed per block against the per-program table (exactness on the adversarial data, then 3
 interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_CHECK_VARIANT
 checks another variant than "block", TABLE_DTYPE=fp16 and
-TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,tabler,block,block%80 (the table stored word- / row-major; table: as the
-rule; %N: registers capped at N) and
+TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,tabler,block (the table stored word- / row-major; table: as the rule) and
 TABLE_EMITS=packed:none,packed:mse change what is timed); "table_w4a4": W4A4 end to end with each
 (W4A4_SHAPES, W4A4_VARIANTS (w4a16: the W4A16 dispatch), ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
@@ -218,15 +217,12 @@ if "per_sm" in PHASES:
 
 def variant(name):
     """Set the quantize dispatch to one of the "table" phase's variants (env + module knobs)."""
-    for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM", "FP4PTQ_QUANT16_WORD_MAJOR", "FP4PTQ_QUANT16_MAXNREG"):
+    for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM", "FP4PTQ_QUANT16_WORD_MAJOR"):
         os.environ.pop(key, None)
     qk.QUANT16_MIN_ROWS = DEFAULT_MIN
     if name == "shipped":
         return
     qk.QUANT16_MIN_ROWS = 0
-    name, _, cap = name.partition("%")  # "block%80": registers capped at 80 a thread
-    if cap:
-        os.environ["FP4PTQ_QUANT16_MAXNREG"] = cap
     kind, _, per_sm = name.partition("@")
     os.environ["FP4PTQ_QUANT16_TABLE"] = "1" if kind.startswith("table") else "0"
     if kind in ("tablew", "tabler"):  # the table stored word-major / row-major

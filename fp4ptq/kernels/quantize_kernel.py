@@ -889,13 +889,6 @@ def _word_major(four_six: Optional[str]) -> bool:
     return four_six is None
 
 
-def _register_cap() -> dict:
-    """Launch options capping the 16-bit kernel's registers (``FP4PTQ_QUANT16_MAXNREG``, for sweeps;
-    none by default)."""
-    cap = int(os.environ.get("FP4PTQ_QUANT16_MAXNREG", 0))
-    return {"maxnreg": cap} if cap and not INTERPRET else {}
-
-
 # Below this many rows the fp32-compare kernel takes 16-bit inputs too: with thresholds per block the
 # 16-bit kernel is ahead from 4 rows on and level or behind below (H200, 5 interleaved rounds,
 # results/quant16_h200_tiny.json, us, 16-bit / fp32-compare: 16 x 4096 2.38 / 2.94, 4 x 4096 2.33 /
@@ -1000,7 +993,7 @@ def launch_quantize(
             F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
             EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
             BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six),
-            num_warps=warps, enable_fp_fusion=False, **_register_cap(),
+            num_warps=warps, enable_fp_fusion=False,
         )
     else:
         enc = torch.empty((), dtype=torch.float32, device=dev)
