@@ -24,6 +24,7 @@ from fp4ptq.kernels import BackendUnavailable
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_qk = None  # quantize_kernel, for Triton helpers defined inside tests (set there)
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_triton_interpreter"
 )
@@ -188,32 +189,38 @@ def test_quantize16_kernel_tiny_values(quant16, four_six):
 
 
 @interpreted
-def test_fast_bf16_thresholds_equal_the_table_arithmetic(tk):
-    """The per-block fast path (exact fp64 products read off as bf16 patterns) gives the table's
-    thresholds (fp32 directed rounding, then rounded up to bf16) for every scale code, under global
-    scales across the whole range it is used for (up to 2^112) and for the zero scale."""
+@pytest.mark.parametrize("f16", [False, True])
+def test_fast_thresholds_equal_the_table_arithmetic(tk, f16):
+    """The per-block fast path (exact fp64 products read off as 16-bit patterns) gives the table's
+    thresholds (fp32 directed rounding, then rounded up to the 16-bit format) for every scale code and
+    the zero scale, under global scales across the whole range it is used for: bf16 up to 2^112, fp16
+    everywhere a global scale can be (its subnormal and overflowing thresholds included)."""
     import triton
     import triton.language as tl
 
-    globals()["_qk"] = tk[0]  # the jitted helper below resolves names in this module's globals
+    global _qk
+    _qk = tk[0]  # the jitted helper below resolves names in this module's globals
 
     @triton.jit
-    def both(enc_ptr, fast_ptr, slow_ptr):
+    def both(enc_ptr, fast_ptr, slow_ptr, F16: tl.constexpr):
         code = tl.arange(0, 128)
         scale = tl.where(code < 127, _qk._e4m3_value(code), 0.0)
         enc = tl.load(enc_ptr)
-        f0, f1, f2, f3, f4, f5, f6 = _qk._row(enc_ptr, code, scale, enc, False, False, True, False)
-        s0, s1, s2, s3, s4, s5, s6 = _qk._row(enc_ptr, code, scale, enc, False, False, False, False)
+        f0, f1, f2, f3, f4, f5, f6 = _qk._row(enc_ptr, code, scale, enc, F16, False, True, False)
+        s0, s1, s2, s3, s4, s5, s6 = _qk._row(enc_ptr, code, scale, enc, F16, False, False, False)
         for j, f, g in ((0, f0, s0), (1, f1, s1), (2, f2, s2), (3, f3, s3), (4, f4, s4), (5, f5, s5), (6, f6, s6)):
             tl.store(fast_ptr + j * 128 + code, f)
             tl.store(slow_ptr + j * 128 + code, g)
 
     g = torch.Generator().manual_seed(0)
-    encs = [2.0 ** e for e in range(-120, 112, 7)] + [2688.0, 1536.0, 0.3, 5.19e33, 1.0 / 3.0]
+    top = 127 if f16 else 112
+    # global scales reach down to 1536 / (the largest fp32), where every step is still finite
+    encs = [2.0 ** e for e in range(-116, top, 7)] + [2688.0, 1536.0, 0.3, 1.0 / 3.0, 1536.0 / 3.4028234663852886e38,
+                                                      5.19e33 if not f16 else 3.4028234663852886e38]
     encs += (torch.rand(20, generator=g, dtype=torch.float64) * 200 - 100).exp2().tolist()
     for enc in encs:
         fast, slow = torch.zeros(7 * 128, dtype=torch.int32), torch.zeros(7 * 128, dtype=torch.int32)
-        both[(1,)](torch.tensor([enc], dtype=torch.float32), fast, slow)
+        both[(1,)](torch.tensor([enc], dtype=torch.float32), fast, slow, F16=f16)
         assert torch.equal(fast, slow), enc
 
 

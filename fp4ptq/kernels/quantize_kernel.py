@@ -36,7 +36,7 @@ thresholds of each block's scale rounded up to the 16-bit format (exact for
 the GPU; the same arithmetic in Triton under the interpreter). The thresholds
 come from a small per-program table of all scale codes on large inputs (codes
 of 64M elements and more, 16M under Four Over Six) and are computed per block
-otherwise (bf16: seven exact fp64 products read off as bf16 patterns).
+otherwise (seven exact fp64 products read off as 16-bit patterns).
 Everything else (fp32 inputs, 1-2 rows, a scaled output in another dtype,
 older GPUs) goes to ``_quantize_kernel``, which computes the thresholds per
 block as described above. Both give the reference's codes and scales.
@@ -586,31 +586,52 @@ def _bf16_pair_above(t64):
 
 
 @triton.jit
-def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr,
+def _f16_pair_above(t64):
+    """The smallest fp16 above ``t64`` in both halves of a word, for an fp64 ``t64 > 0`` that is no
+    fp16 value (or +inf): from 2^-14 on the fp16 truncation of ``t64`` (its fp64 pattern's high word,
+    re-biased: ``(hi >> 10) - (1008 << 10)``) plus one, +inf from the largest finite fp16 on; below,
+    the subnormal ``floor(t64 * 2^24) + 1`` (times 2^-24; ``t64 * 2^24`` is exact and no integer)."""
+    hi = (t64.to(tl.int64, bitcast=True) >> 32).to(tl.int32)
+    normal = tl.minimum((hi >> 10) - 1032191, 0x7C00)
+    h = tl.where(t64 < 6.103515625e-05, (t64 * 16777216.0).to(tl.int32) + 1, normal)
+    return h * 65537
+
+
+@triton.jit
+def _pair_above(t64, F16: tl.constexpr):
+    if F16:
+        pair = _f16_pair_above(t64)
+    else:
+        pair = _bf16_pair_above(t64)
+    return pair
+
+
+@triton.jit
+def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr,
          WORD_MAJOR: tl.constexpr):
     """The seven 16-bit thresholds (in both halves of a word) of each block's scale code (E4M3 bits
     ``code``, value ``scale``): the program's table row (``TABLE``), or the same values computed
-    in registers. ``BF16_FAST`` (bf16, and a global scale under 2^112, so that every threshold of a
-    non-zero scale is at least 2^-126): the threshold ``t+- * step`` is exact in fp64 (25 + 24
-    significant bits) and never a bf16 value (its significand is a product of odd numbers of 25 and
-    more bits), so the bf16 at or above it is its truncation plus one, read off the fp64 pattern.
-    Otherwise the table's own arithmetic (fp32 thresholds by directed rounding, then rounded up)."""
+    in registers. ``FAST`` (fp16, or bf16 under a global scale below 2^112, so that every bf16
+    threshold of a non-zero scale is at least 2^-126): the threshold ``t+- * step`` is exact in fp64
+    (25 + 24 significant bits) and never a 16-bit value (its significand is a product of odd numbers of
+    25 and more bits), so the 16-bit value at or above it is read off the fp64 pattern. Otherwise the
+    table's own arithmetic (fp32 thresholds by directed rounding, then rounded up)."""
     if TABLE:
         return (tl.load(_table_at(table_ptr, code, 0, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 1, WORD_MAJOR)),
                 tl.load(_table_at(table_ptr, code, 2, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 3, WORD_MAJOR)),
                 tl.load(_table_at(table_ptr, code, 4, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 5, WORD_MAJOR)),
                 tl.load(_table_at(table_ptr, code, 6, WORD_MAJOR)))
-    elif BF16_FAST:
+    elif FAST:
         step = tl.math.div_rn(scale, global_enc)
         s = tl.where(step > 0.0, step.to(tl.float64), float("inf"))  # a zero scale: +inf thresholds
         # the constants of e2m1_thresholds: midpoints displaced by half an fp32 ulp (ties to even)
-        return (_bf16_pair_above(s * 0.250000014901161193847656250),
-                _bf16_pair_above(s * 0.749999970197677612304687500),
-                _bf16_pair_above(s * 1.250000059604644775390625000),
-                _bf16_pair_above(s * 1.749999940395355224609375000),
-                _bf16_pair_above(s * 2.500000119209289550781250000),
-                _bf16_pair_above(s * 3.499999880790710449218750000),
-                _bf16_pair_above(s * 5.000000238418579101562500000))
+        return (_pair_above(s * 0.250000014901161193847656250, F16),
+                _pair_above(s * 0.749999970197677612304687500, F16),
+                _pair_above(s * 1.250000059604644775390625000, F16),
+                _pair_above(s * 1.749999940395355224609375000, F16),
+                _pair_above(s * 2.500000119209289550781250000, F16),
+                _pair_above(s * 3.499999880790710449218750000, F16),
+                _pair_above(s * 5.000000238418579101562500000, F16))
     else:
         t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(tl.math.div_rn(scale, global_enc))
         return (_pair16(t0, F16), _pair16(t1, F16), _pair16(t2, F16), _pair16(t3, F16), _pair16(t4, F16),
@@ -639,9 +660,9 @@ def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr, W
 
 @triton.jit
 def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global_enc, F16: tl.constexpr,
-                  ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr, WORD_MAJOR: tl.constexpr):
+                  ASM: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr, WORD_MAJOR: tl.constexpr):
     """The counts of a block's eight words against its code's thresholds."""
-    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, BF16_FAST, WORD_MAJOR)
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, FAST, WORD_MAJOR)
     return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
             _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
@@ -703,7 +724,7 @@ def _quantize16_tile(
     wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     K, stride_sw,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, TABLE: tl.constexpr, BF16_FAST: tl.constexpr, WORD_MAJOR: tl.constexpr,
+    ASM: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr, WORD_MAJOR: tl.constexpr,
 ):
     w0, w1, w2, w3 = _split4(wa)
     w4, w5, w6, w7 = _split4(wb)
@@ -722,13 +743,13 @@ def _quantize16_tile(
         bmax = (mbits << 16).to(tl.float32, bitcast=True)
     scale, code = e4m3_block_scale(bmax, global_enc, 6.0)
     c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
-                                                   global_enc, F16, ASM, TABLE, BF16_FAST, WORD_MAJOR)
+                                                   global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
     chose_four = code < 0  # all False, in the per-block layout
     if FOUR_SIX != 0:
         # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
         scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
         d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
-                                                       global_enc, F16, ASM, TABLE, BF16_FAST, WORD_MAJOR)
+                                                       global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
         step6 = _row_step(table_ptr, code, scale, global_enc, TABLE, WORD_MAJOR)
         step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE, WORD_MAJOR)
         err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
@@ -801,9 +822,9 @@ def _quantize16_kernel(
         tk = tl.where(wrap, tk - n_ktiles, tk)
         nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
         na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
-        if TABLE or F16:
+        if TABLE or F16:  # (fp16 reads every threshold off the fp64 product, subnormals included)
             _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False,
+                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, F16,
                              WORD_MAJOR)
         elif global_enc < 5.192296858534828e33:  # 2^112: every bf16 threshold is normal (see _row)
             _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
@@ -855,9 +876,8 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
     return min(n_tiles, max(2 * sms, min(max_per_sm * sms, n_tiles // tiles_each)))
 
 
-# Thresholds from the per-program table, or computed per block in registers (bf16: 7 exact fp64
-# products read off as bf16 patterns; fp16 and global scales of 2^112 and more: the table's own
-# arithmetic). The table costs each program a prologue (127 rows, 8 KB of stores and a barrier), so it
+# Thresholds from the per-program table, or computed per block in registers (7 exact fp64 products
+# read off as 16-bit patterns; bf16 under global scales of 2^112 and more: the table's own arithmetic). The table costs each program a prologue (127 rows, 8 KB of stores and a barrier), so it
 # wants few programs with many tiles each; without it every program takes one tile. H200, 3 interleaved
 # rounds (`PHASES=table python3 benchmarks/quant16_h200.py`, results/quant16_h200_table.json and
 # quant16_h200_table_wide2.json), us, per block / table: codes 1024 x 4096 5.6 / 7.4 (the fp32-compare
