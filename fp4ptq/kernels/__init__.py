@@ -9,8 +9,9 @@ before the kernel modules are imported) ``backend="triton"`` runs the same
 kernels on CPU tensors: that is how the tests check them without a GPU.
 
 Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``:
-bf16/fp16 inputs of 4M elements and more two elements a register with packed
-compares, everything else with fp32 compares), ``gemm.py`` (the W4A16/W4A4
+bf16/fp16 inputs of 3 rows and more two elements a register with packed
+compares against thresholds computed per block or, on large inputs, gathered
+from a per-program table; fp32 inputs and 1-2 rows with fp32 compares), ``gemm.py`` (the W4A16/W4A4
 launcher and its paths: GEMVs for M <= 2 (packed bf16x2 with the activation
 row held in registers for bf16, fp32 for fp16), a tiled GEMM, dequantize +
 cuBLAS for M >= 129 where wsgemm.py does not run; W4A4 runs the same paths after quantizing the
