@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _qk = None  # quantize_kernel, for Triton helpers defined inside tests (set there)
+_gm = None  # gemm, the same
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_triton_interpreter"
 )
@@ -596,6 +597,43 @@ def test_bf16x2_gemvs_match_dequantized_matmul_on_all_codes(tk):
         out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
         err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
         assert float(err.max()) < 1e-2, (path, err)
+
+
+@interpreted
+def test_gemv6_three_operation_pair_decode_equals_the_shift_decode(tk):
+    """``_pair_mul`` (mask, one multiply, mask) gives ``_pair``'s bf16 pair for every pair register
+    and every value of the two nibbles it reads, whatever the other six nibbles hold."""
+    import triton
+    import triton.language as tl
+
+    global _gm
+    _gm = tk[1]
+
+    @triton.jit
+    def both(w_ptr, old_ptr, new_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        w = tl.load(w_ptr + offs, mask=ok, other=0)
+        w8 = w >> 8
+        for i in tl.static_range(4):
+            tl.store(old_ptr + i * n + offs, _gm._pair(w, i, 6, _gm.BF16_MAG), mask=ok)
+            tl.store(new_ptr + i * n + offs, _gm._pair_mul(w, w8, i), mask=ok)
+
+    g = torch.Generator().manual_seed(0)
+    both_nibbles = torch.arange(256, dtype=torch.int64)
+    words = []
+    for i in range(4):  # every (code i, code i + 4) under random other nibbles, incl. all-ones around them
+        rest = torch.randint(0, 2**32, (256,), generator=g, dtype=torch.int64)
+        rest[:16] = 0xFFFFFFFF
+        keep = ~((0xF << (4 * i)) | (0xF << (4 * i + 16))) & 0xFFFFFFFF
+        words.append((rest & keep) | ((both_nibbles & 0xF) << (4 * i)) | ((both_nibbles >> 4) << (4 * i + 16)))
+    words.append(torch.randint(0, 2**32, (4096,), generator=g, dtype=torch.int64))
+    w = torch.cat(words)
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    n = w.numel()
+    old, new = torch.zeros(4 * n, dtype=torch.int32), torch.ones(4 * n, dtype=torch.int32)
+    both[(triton.cdiv(n, 1024),)](w, old, new, n, BLOCK=1024)
+    assert torch.equal(old, new)
 
 
 @interpreted

@@ -87,6 +87,26 @@ def _pair(w, i: tl.constexpr, S: tl.constexpr, MAG: tl.constexpr):
     return (_shl(w, S - 4 * i) & MAG) | (_shl(w, 12 - 4 * i) & SIGN_MASK)
 
 
+BF16_PAIR_BITS = tl.constexpr(-2118090304)  # 0x81C081C0 as int32: BF16_MAG | SIGN_MASK
+
+
+@triton.jit
+def _pair_mul(w, w8, i: tl.constexpr):
+    """``_pair(w, i, 6, BF16_MAG)`` in three integer operations instead of
+    four: the bf16 sign sits 6 bits above the magnitude's top, one bit above it
+    in the code, so one multiply by ``2^a + 2^(a + 6)`` of the isolated nibbles
+    makes two copies of each (bits a..a+3 and a+6..a+9, no carries: the four
+    fields never overlap) and one mask keeps the magnitude of the first and the
+    sign of the second. Codes 2, 3 (and 6, 7) need a right shift: they are
+    taken as codes 0, 1 of ``w8 = w >> 8``, shared by both pairs."""
+    if i < 2:
+        t = w & (0x000F000F << (4 * i))
+    else:
+        t = w8 & (0x000F000F << (4 * (i - 2)))
+    j: tl.constexpr = i % 2
+    return (t * ((1 << (6 - 4 * j)) + (1 << (12 - 4 * j)))) & BF16_PAIR_BITS
+
+
 @triton.jit
 def _halves(r, DT: tl.constexpr):
     lo = r.to(tl.int16).to(DT, bitcast=True)
@@ -432,7 +452,7 @@ def _gemv_resident_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -495,15 +515,28 @@ def _gemv_resident_kernel(
         else:
             cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
         w = cur.to(tl.int32)  # codes 0..7 of each block
-        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
-        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01[None, :], part, EMULATE)
-        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02[None, :], part, EMULATE)
-        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03[None, :], part, EMULATE)
-        w = (cur >> 32).to(tl.int32)  # codes 8..15
-        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10[None, :], part, EMULATE)
-        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11[None, :], part, EMULATE)
-        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12[None, :], part, EMULATE)
-        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13[None, :], part, EMULATE)
+        if MULDEC:
+            w8 = w >> 8
+            part = _bf16x2_fma(_pair_mul(w, w8, 0), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 1), p01[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 2), p02[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 3), p03[None, :], part, EMULATE)
+            w = (cur >> 32).to(tl.int32)  # codes 8..15
+            w8 = w >> 8
+            part = _bf16x2_fma(_pair_mul(w, w8, 0), p10[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 1), p11[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 2), p12[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair_mul(w, w8, 3), p13[None, :], part, EMULATE)
+        else:
+            part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
+            part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03[None, :], part, EMULATE)
+            w = (cur >> 32).to(tl.int32)  # codes 8..15
+            part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12[None, :], part, EMULATE)
+            part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13[None, :], part, EMULATE)
         acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
         y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
         if SPLIT:
@@ -819,6 +852,8 @@ def _resident_programs(args, grid, kwargs, device: torch.device) -> Optional[int
 
 # gemv6 grids are cut to whole waves of resident programs (off: the configured programs per SM as given)
 GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
+# the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
+GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
 
 
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
@@ -841,7 +876,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
-                  enable_fp_fusion=not quant, PREFETCH=prefetch)
+                  enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=GEMV6_MULDEC)
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     sms = _sm_count(x2.device)
