@@ -41,7 +41,6 @@ benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional
 
@@ -86,29 +85,7 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
     return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
 
 
-# bf16 in three integer operations a register instead of four: the sign goes 6 bits above the
-# magnitude's top, one bit above it in the code, so a multiply by 2^a + 2^(a + 6) of the isolated
-# nibbles (codes p, p + 4) makes two copies of each, fields that never overlap (no carries), and one
-# mask keeps the magnitude of the first and the sign of the second. Registers 2, 3 (right shifts in
-# DECODE_SHIFTS) read the word shifted right by 8 once: their codes are then codes 0, 1.
-PAIR_NIBBLES = (0x000F000F, 0x00F000F0)  # codes (0, 4) and (1, 5) of a word
-PAIR_MULTIPLIERS = (2**6 + 2**12, 2**2 + 2**8)  # the shifts (6, 12) and (2, 8) of DECODE_SHIFTS
-PAIR_BITS = MAG_MASK | SIGN_MASK  # 0x81C081C0
-
-
-def _decode_mul_asm(mul="mul.rn.bf16x2") -> str:
-    """The bf16 decode of ``_decode_asm`` (same operands, same results) with ``_pair_mul``'s
-    mask / multiply / mask in place of two shifts and two masks a register."""
-    lines = ["{", ".reg .b32 a, w8;", "shr.u32 w8, $4, 8;"]
-    for p in range(4):
-        src = "$4" if p < 2 else "w8"
-        lines.append(f"and.b32 a, {src}, {PAIR_NIBBLES[p % 2]:#010x}; mul.lo.u32 a, a, {PAIR_MULTIPLIERS[p % 2]}; "
-                     f"and.b32 a, a, {PAIR_BITS:#010x}; {mul} ${p}, a, $12;")
-    return "\n".join(lines + ["}"])
-
-
 _DECODE = gl.constexpr(_decode_asm())
-_DECODE_MUL = gl.constexpr(_decode_mul_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 # 8 activations (k .. k+7 as four bf16x2: $4 = (x0, x1) .. $7 = (x6, x7)) -> the decode's pairs
@@ -190,7 +167,7 @@ def _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off):
 
 @gluon.jit
 def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-              BK: gl.constexpr, MULDEC: gl.constexpr):
+              BK: gl.constexpr):
     """One step's loads -> the MMA's A (decoded, scaled weight ``[BN, BK]``) and
     B (activations ``[BK, BM]``), both in K order ``32 s + 8 c + j`` with the
     pairs of every 8 as (0, 4), (1, 5), (2, 6), (3, 7). No data moves between
@@ -211,8 +188,6 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
     sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
     if xp.dtype == gl.float16:
         a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
-    elif MULDEC:
-        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     else:
         a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
@@ -251,7 +226,6 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    MULDEC: gl.constexpr,
 ):
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
@@ -306,20 +280,20 @@ def _mma_kernel(
             _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
             _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
             async_copy.commit_group()
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MULDEC)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
     elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
         for k0 in range(k_lo, k_last + BK, BK):
             wn, sn, xn = _load_step(w_ptr, s_ptr, x_ptr, gl.minimum(k0 + BK, k_last), w_off, s_off, x_off)
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MULDEC)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
             wp, sb, xp = wn, sn, xn
     else:
         for k0 in range(k_lo, k_last + BK, BK):
             wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off)
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MULDEC)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
 
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -329,8 +303,6 @@ def _mma_kernel(
 
 
 MAX_M = 64
-# bf16: the three-operation decode (``_DECODE_MUL``); "0" keeps the shift decode
-MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "1") == "1"
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
@@ -408,7 +380,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
-        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, MULDEC=MULDEC, num_warps=warps,
+        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
     )
     return sum_splits(target, y, bias)
 
