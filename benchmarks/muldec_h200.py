@@ -8,7 +8,9 @@ keys); it was level there and was taken out again.
 
 Phase "sweep" (``PHASES=sweep SWEPT=70B.down``): gemv6 configs (rows, warps, programs an SM, K segment,
 prefetch) with the new decode, then the shipped rule under both decodes and the three best configs in
-interleaved rounds.
+interleaved rounds. Phase "rule" (``PHASES=rule``): the shipped rule (decode and config) against the
+session-10 one (shift decode, 4-row tiles with four blocks of a row a thread where K is split) on the
+Llama-3.1 shapes and other models' layers, interleaved rounds, outputs checked against the reference.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/muldec_h200.py   # $OUT/muldec_h200.json
 """
@@ -36,7 +38,8 @@ shipped_config = gm._gemv6_config
 
 
 def save():
-    with open(os.path.join(OUT, "muldec_h200.json" if PHASES == ["compare"] else "muldec_sweep_h200.json"), "w") as f:
+    name = {"compare": "muldec_h200.json", "sweep": "muldec_sweep_h200.json"}.get(PHASES[0], "muldec_rule_h200.json")
+    with open(os.path.join(OUT, name), "w") as f:
         json.dump(res, f, indent=1)
 
 
@@ -127,3 +130,44 @@ for name in (os.environ.get("SWEPT", "70B.down").split(",") if "sweep" in PHASES
     print(json.dumps({"shape": name, **{a: round(b, 2) for a, b in row["median_us"].items()}}), flush=True)
     print(json.dumps({"shape": name, **{a: round(b, 1) for a, b in row["pct_copy"].items()}}), flush=True)
     save()
+
+
+def session10_rule(m, n, k):
+    """gemv6's config before session 11 (split layers under 64M weights: 4 rows, segment / 2048 warps)."""
+    rows, warps, per_sm, seg, pf = shipped_config(m, n, k)
+    if n * k < 1 << 26 and k > seg:
+        return 4, max(1, min(8, (seg // 16) // 128)), 16, seg, False
+    return rows, warps, per_sm, seg, pf
+
+
+RULE_SHAPES = dict(peers.SHAPES, **{
+    "70B.qkv": (10240, 8192), "70B.o": (8192, 8192), "8B.lm_head": (128256, 4096),
+    "Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.o": (3584, 3584), "Qwen2-7B.gate_up": (37888, 3584),
+    "Qwen2-7B.down": (3584, 18944), "Llama-2-7B.down": (4096, 11008), "Gemma-2-9B.down": (3584, 14336),
+    "Phi-3-mini.down": (3072, 8192), "Qwen2-72B.down": (8192, 29568), "SmolLM2.down": (576, 1536)})
+for name, (n, k) in (RULE_SHAPES.items() if "rule" in PHASES else ()):
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    wq = nvfp4.quantize(w)
+    x1 = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+    byt = n * k / 2 + n * k / 16 + 2 * k + 2 * n
+    fn = lambda: gm.linear_w4a16(x1, wq, path="gemv6")  # noqa: E731
+    ref = x1.float() @ wq.dequantize(torch.float32).T
+    old_cfg = session10_rule(1, n, k)
+    old, new = decode(False, fn, old_cfg), fn()
+    times = {}
+    for _ in range(ROUNDS):
+        times.setdefault("cublas", []).append(peers.bench(lambda: x1 @ w.t()) * 1e3)
+        times.setdefault("session10", []).append(decode(False, lambda: peers.bench(fn), old_cfg) * 1e3)
+        times.setdefault("shipped", []).append(peers.bench(fn) * 1e3)
+    med = {a: statistics.median(b) for a, b in times.items()}
+    row = {"shape": name, "n": n, "k": k, "bytes": byt, "old_cfg": old_cfg, "new_cfg": shipped_config(1, n, k),
+           "new_muldec": gm._gemv6_muldec(n, k), "median_us": med, "all_us": times,
+           "rel_err": {"session10": float((old.float() - ref).norm() / ref.norm()),
+                       "shipped": float((new.float() - ref).norm() / ref.norm())},
+           "pct_copy": {a: 100 * byt / (b * 1e-6) / 1e12 / res["copy_TBps"] for a, b in med.items()},
+           "shipped_over_session10": med["session10"] / med["shipped"]}
+    res["final"].append(row)
+    print(json.dumps({"shape": name, **{a: round(b, 2) for a, b in med.items()},
+                      "x": round(row["shipped_over_session10"], 3), "err": row["rel_err"]}), flush=True)
+    save()
+print("total s", round(time.time() - T0, 1))

@@ -392,9 +392,24 @@ def test_gemv6_prefetches_on_large_layers_only(tk):
     assert gm._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
     assert gm._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
     assert gm._gemv6_config(1, 8192, 28672) == (4, 4, 16, 4096, True)    # 70B down: 7 segments
-    assert gm._gemv6_config(1, 4096, 14336)[3:] == (2048, False)         # 8B down
+    assert gm._gemv6_config(1, 4096, 14336) == (8, 2, 16, 2048, False)  # 8B down: 8 rows, 2 blocks a thread
+    assert gm._gemv6_config(1, 3072, 8192) == (8, 4, 16, 4096, False)    # Phi-3-mini down
+    assert gm._gemv6_config(1, 4096, 11008) == (4, 2, 16, 4096, False)   # Llama-2-7B down: masked tail, 4 rows
+    assert gm._gemv6_config(1, 576, 1536) == (4, 1, 16, 512, False)      # SmolLM2 down: 512-K segments
     assert gm._gemv6_config(1, 6144, 4096) == (4, 2, 4, 4096, False)     # 8B qkv: 4 rows, 4 an SM
     assert gm._gemv6_config(1, 12288, 4096) == (8, 2, 8, 4096, False)    # Llama-2-7B qkv: 8 rows, 8 an SM
+
+
+@interpreted
+def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkeypatch):
+    """The three-operation decode everywhere but on layers of 64M weights and more whose K is split
+    (70B down: 2% slower there in two H200 runs); the knob turns it off everywhere."""
+    _, gm = tk
+    assert gm._gemv6_muldec(28672, 4096) and gm._gemv6_muldec(57344, 8192)   # 8B / 70B gate_up
+    assert gm._gemv6_muldec(4096, 14336) and gm._gemv6_muldec(6144, 4096)    # 8B down, 8B qkv
+    assert not gm._gemv6_muldec(8192, 28672)                                 # 70B down: 7 segments
+    monkeypatch.setattr(gm, "GEMV6_MULDEC", False)
+    assert not gm._gemv6_muldec(28672, 4096)
 
 
 @interpreted

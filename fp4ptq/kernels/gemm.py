@@ -776,16 +776,34 @@ def _gemv6_config(m: int, n: int, k: int):
     SM (16 when K is split). Single-segment layers of at most 8192 rows take 4 rows
     and 4 programs an SM instead (session 9, interleaved, results/gemv6_small_h200.json:
     8B.qkv 7.69 -> 7.31 us, 8B.o 6.18 -> 5.92, Qwen2-7B qkv 8.79 -> 6.52, Gemma-2-9B
-    qkv 11.63 -> 8.60; Llama-2-7B qkv (12288 rows) 11.43 -> 11.71 kept the old rule)."""
+    qkv 11.63 -> 8.60; Llama-2-7B qkv (12288 rows) 11.43 -> 11.71 kept the old rule).
+    Smaller layers whose K is split into whole segments of 2048 or more take 8 rows
+    and two blocks of a row a thread (session 11, with the three-operation decode,
+    results/muldec_sweep_h200.json, then muldec_rule_h200_first.json: 8B.down 16.4 ->
+    14.9 us, Phi-3-mini down 10.4 -> 9.8, Gemma-2-9B down level; with a masked last
+    segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down)."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
     kbp = triton.next_power_of_2(max(1, seg // 16))
     split = k > seg
     if large:
         return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
+    if split and seg >= 2048 and k % seg == 0:
+        return 8, max(1, min(8, kbp // 64)), 16, seg, False
     narrow = not split and n <= 8192
     rows = 4 if split or narrow or n >= 16384 else 8
     return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
+
+
+def _gemv6_muldec(n: int, k: int) -> bool:
+    """Whether gemv6 decodes with ``_pair_mul`` (three operations a pair register)
+    or the shifts (four). The H200 runs (results/muldec_h200.json and
+    muldec_sweep_h200.json, interleaved rounds): 1-6% faster on every Llama-3.1
+    shape but 70B down, the one large layer with K split, where it was 2% slower
+    in both runs (47.1 -> 48.1 us; its best other tile 47.8), so such layers keep
+    the shifts. ``GEMV6_MULDEC`` = False turns it off everywhere."""
+    large = n * k >= 1 << 26
+    return GEMV6_MULDEC and not (large and k > _gemv6_segment(k, 8192))
 
 
 def _gemv6_segment(k: int, cap: int) -> int:
@@ -876,7 +894,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None or quant, ROWS=rows, KBP=kbp,
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
-                  enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=GEMV6_MULDEC)
+                  enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     sms = _sm_count(x2.device)
