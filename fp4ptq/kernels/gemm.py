@@ -797,13 +797,20 @@ def _gemv6_config(m: int, n: int, k: int):
 
 def _gemv6_muldec(n: int, k: int) -> bool:
     """Whether gemv6 decodes with ``_pair_mul`` (three operations a pair register)
-    or the shifts (four). The H200 runs (results/muldec_h200.json and
-    muldec_sweep_h200.json, interleaved rounds): 1-6% faster on every Llama-3.1
-    shape but 70B down, the one large layer with K split, where it was 2% slower
-    in both runs (47.1 -> 48.1 us; its best other tile 47.8), so such layers keep
-    the shifts. ``GEMV6_MULDEC`` = False turns it off everywhere."""
+    or the shifts (four): the multiply where K is whole segments of 2048 or more,
+    except on large layers with K split. The H200 runs (interleaved rounds,
+    results/muldec_h200.json, muldec_sweep_h200.json, muldec_rule_h200*.json):
+    1-4% faster on every Llama-3.1 shape and the other whole-segment layers timed
+    (70B qkv / o, 8B lm_head, Phi-3-mini and Gemma-2-9B down), but 2% slower on
+    70B down (47.1 -> 48.1 us, its best other tile 47.8) and 3-5% slower on
+    Llama-2-7B down and Qwen2-7B qkv (masked last segments) and SmolLM2 down
+    (512-K segments); Qwen2-7B gate_up (masked) was 4.7% faster, Qwen2-7B o / down
+    level. Those exceptions keep the shifts; why the multiply loses there is not
+    known. ``GEMV6_MULDEC`` = False turns it off everywhere."""
     large = n * k >= 1 << 26
-    return GEMV6_MULDEC and not (large and k > _gemv6_segment(k, 8192))
+    seg = _gemv6_segment(k, 8192 if large else 4096)
+    whole = k % seg == 0 and seg & (seg - 1) == 0  # no masked blocks (EVEN_K)
+    return GEMV6_MULDEC and whole and seg >= 2048 and not (large and k > seg)
 
 
 def _gemv6_segment(k: int, cap: int) -> int:
