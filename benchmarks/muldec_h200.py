@@ -4,7 +4,8 @@ Llama-3.1 shapes: outputs compared bit for bit, then timed in interleaved rounds
 bf16 and tinygemm int4 of the same run. M = 1: gemv6 (W4A16) and the W4A4 dispatch (quantize kernel +
 gemv6). The committed results/muldec_h200.json was measured at commit 7ce5c79, where
 mma.py (M = 16) also had the decode behind ``mma.MULDEC`` and this script timed it ("mma_m16"
-keys); it was level there and was taken out again.
+keys); it was level there and was taken out again. Since then ``_gemv6_muldec`` keeps the shifts on
+some layers (70B down among the six), so "mul" there now means the shipped rule with the knob on.
 
 Phase "sweep" (``PHASES=sweep SWEPT=70B.down``): gemv6 configs (rows, warps, programs an SM, K segment,
 prefetch) with the new decode, then the shipped rule under both decodes and the three best configs in
