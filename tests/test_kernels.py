@@ -321,6 +321,35 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
 
 
 @interpreted
+@pytest.mark.parametrize("m,n,k,kc", [(1, 37, 1040, 32), (2, 24, 768, 16), (1, 9, 512, 64)])
+def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, kc):
+    """The streamed-x GEMV (whole rows a program, x re-read each step): K over several steps with a
+    masked last one (1040 = 65 blocks in steps of 32) or whole ones, row tiles past N, two programs
+    walking several tiles each (the next tile's first chunk loaded ahead), two activation rows, a
+    bias, x not 8-byte aligned, and W4A4 (the activations' global scale): all within the GEMV
+    tolerance of the reference, with and without loading ahead (the same bits)."""
+    _, gm = tk
+    wq = _weight(n, k, seed=n + k)
+    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    monkeypatch.setattr(gm, "GEMV7", "1")
+    for x in (big[:, :k].contiguous(), big[:, 1:]):
+        ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
+        got = []
+        for prefetch in (False, True):
+            monkeypatch.setattr(gm, "_gemv7_config", lambda m_, n_, k_, p=prefetch: (4, 1, kc, 1, p))
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
+            assert y.data_ptr() == out.data_ptr()
+            assert _rel(y, ref) < 1e-2, (m, n, k, prefetch)
+            got.append(y)
+        assert torch.equal(got[0], got[1])
+    amax = x.float().abs().amax().reshape(1)
+    ref4 = gm.linear_w4a4(x, wq, amax, bias, path="gemv4")
+    assert _rel(gm.linear_w4a4(x, wq, amax, bias, path="gemv6"), ref4.float()) < 1e-2
+
+
+@interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
 def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypatch, four_six):
     """W4A4 with the activations quantized in the GEMV's prologue gives the same

@@ -432,6 +432,42 @@ def _x_pairs_from_words(xw, bidx, b_ok, h: tl.constexpr):
     return _word_pair(lo, hi, 0), _word_pair(lo, hi, 1), _word_pair(lo, hi, 2), _word_pair(lo, hi, 3)
 
 
+# the two pairings of _x_pair_prmt; 0x5F80 is bf16 2^64
+_X_PAIR_LOW = tl.constexpr("{ .reg .b32 t, c; prmt.b32 t, $1, $2, 0x5410; mov.b32 c, 0x5F805F80; "
+                           "mul.rn.bf16x2 $0, t, c; }")
+_X_PAIR_HIGH = tl.constexpr("{ .reg .b32 t, c; prmt.b32 t, $1, $2, 0x7632; mov.b32 c, 0x5F805F80; "
+                            "mul.rn.bf16x2 $0, t, c; }")
+
+
+@triton.jit
+def _x_pair_prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
+    """``_x_pair`` of the 16-bit halves that ``prmt.b32 a, b, SEL`` picks (0x5410: both low,
+    0x7632: both high) of two int32 of two bf16 each, in two instructions: the byte
+    permute, then ``mul.rn.bf16x2`` by 2^64 (exact below 2^64, zeros and subnormals
+    included; inf above, as ``_x_pair``)."""
+    if EMULATE:
+        if SEL == 0x5410:
+            return _x_pair(_bf16_lane(a, 0), _bf16_lane(b, 0))
+        else:
+            return _x_pair(_bf16_lane(a, 1), _bf16_lane(b, 1))
+    elif SEL == 0x5410:
+        return tl.inline_asm_elementwise(_X_PAIR_LOW, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_X_PAIR_HIGH, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs_stream(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
+    """``_x_pairs_from_words`` in two instructions a pair (``_x_pair_prmt``), for a GEMV
+    that re-reads x every step."""
+    lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)      # x[16b + 8h + 0..3]
+    hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)  # x[16b + 8h + 4..7]
+    lo0, lo1 = lo.to(tl.int32), (lo >> 32).to(tl.int32)
+    hi0, hi1 = hi.to(tl.int32), (hi >> 32).to(tl.int32)
+    return (_x_pair_prmt(lo0, hi0, 0x5410, EMULATE), _x_pair_prmt(lo0, hi0, 0x7632, EMULATE),
+            _x_pair_prmt(lo1, hi1, 0x5410, EMULATE), _x_pair_prmt(lo1, hi1, 0x7632, EMULATE))
+
+
 @triton.jit
 def _x_pairs_from_values(v, KBP: tl.constexpr):
     """``[KBP, 8]`` fp32 (one half of each block, bf16-exact values) -> the four
@@ -443,6 +479,39 @@ def _x_pairs_from_values(v, KBP: tl.constexpr):
     p0, p2 = tl.split(even)
     p1, p3 = tl.split(odd)
     return p0, p1, p2, p3
+
+
+@triton.jit
+def _block_products(cur, p00, p01, p02, p03, p10, p11, p12, p13, EMULATE: tl.constexpr, MULDEC: tl.constexpr):
+    """A tile's blocks (int64 of 16 codes) times the x pair registers of
+    ``_x_pairs_from_words``, shaped to broadcast against the tile: per block, eight
+    ``fma.rn.bf16x2`` summing its 16 products ``v * x * 2^-62`` in two bf16 lanes
+    (``MULDEC``: ``_pair_mul``'s decode)."""
+    zero = tl.zeros(cur.shape, dtype=tl.int32)
+    w = cur.to(tl.int32)  # codes 0..7 of each block
+    if MULDEC:
+        w8 = w >> 8
+        part = _bf16x2_fma(_pair_mul(w, w8, 0), p00, zero, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 1), p01, part, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 2), p02, part, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 3), p03, part, EMULATE)
+        w = (cur >> 32).to(tl.int32)  # codes 8..15
+        w8 = w >> 8
+        part = _bf16x2_fma(_pair_mul(w, w8, 0), p10, part, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 1), p11, part, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 2), p12, part, EMULATE)
+        part = _bf16x2_fma(_pair_mul(w, w8, 3), p13, part, EMULATE)
+    else:
+        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00, zero, EMULATE)
+        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01, part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02, part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03, part, EMULATE)
+        w = (cur >> 32).to(tl.int32)  # codes 8..15
+        part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10, part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11, part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12, part, EMULATE)
+        part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13, part, EMULATE)
+    return part
 
 
 @triton.jit
@@ -514,29 +583,8 @@ def _gemv_resident_kernel(
             blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(t + nprog, ROWS, ar, N), kb, 0, ab, EVEN_K)
         else:
             cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
-        w = cur.to(tl.int32)  # codes 0..7 of each block
-        if MULDEC:
-            w8 = w >> 8
-            part = _bf16x2_fma(_pair_mul(w, w8, 0), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 1), p01[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 2), p02[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 3), p03[None, :], part, EMULATE)
-            w = (cur >> 32).to(tl.int32)  # codes 8..15
-            w8 = w >> 8
-            part = _bf16x2_fma(_pair_mul(w, w8, 0), p10[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 1), p11[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 2), p12[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair_mul(w, w8, 3), p13[None, :], part, EMULATE)
-        else:
-            part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p00[None, :], tl.zeros((ROWS, KBP), dtype=tl.int32), EMULATE)
-            part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p01[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p02[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p03[None, :], part, EMULATE)
-            w = (cur >> 32).to(tl.int32)  # codes 8..15
-            part = _bf16x2_fma(_pair(w, 0, 6, BF16_MAG), p10[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair(w, 1, 6, BF16_MAG), p11[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair(w, 2, 6, BF16_MAG), p12[None, :], part, EMULATE)
-            part = _bf16x2_fma(_pair(w, 3, 6, BF16_MAG), p13[None, :], part, EMULATE)
+        part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :], p11[None, :],
+                              p12[None, :], p13[None, :], EMULATE, MULDEC)
         acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
         y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
         if SPLIT:
@@ -545,6 +593,93 @@ def _gemv_resident_kernel(
             if HAS_BIAS:
                 y += tl.load(bias_ptr + n).to(tl.float32)
             tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K: tl.constexpr):
+    """``_load_blocks`` transposed (``[KC, ROWS]``, K first) for ``_gemv_stream_kernel``, rows
+    given as offsets ``roff = row * K/16`` (int64). The block index goes through a select,
+    so that no load sees contiguous blocks: every operand of a step then takes a
+    one-block-a-thread layout along K with all ROWS rows of a block in one thread, which
+    x's words share (no layout conversions). Masked past K unless EVEN_K."""
+    bidx = b0 + ab
+    ok = bidx < kb
+    idx = tl.where(ok, bidx, 0)
+    offs = roff[None, :] + idx[:, None]
+    if EVEN_K:
+        return tl.load(w_ptr + offs), tl.load(s_ptr + offs)
+    else:
+        return (tl.load(w_ptr + offs, mask=ok[:, None], other=0),
+                tl.load(s_ptr + offs, mask=ok[:, None], other=0))
+
+
+@triton.jit
+def _gemv_stream_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
+    ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
+    EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
+    # program's registers is split into segments, each program walks a few row
+    # tiles of one segment and pays the x prologue and a 4-row reduction over
+    # its threads per few blocks, then a second launch adds the segments (the
+    # H200 profile of 70B down: 4.7 instructions a weight, 3.6 on gate_up).
+    # Here a program walks whole rows: each step is one chunk of KC blocks of
+    # its current row tile (tile t, chunk c, advanced without divisions), x's
+    # chunk re-read as 8-byte words (L1 hits) and paired in two instructions a
+    # pair, shared by the tile's ROWS rows (the tile is [KC, ROWS], K first: a
+    # thread holds every row of its blocks); the block products are summed into
+    # a [KC, ROWS] fp32 accumulator across chunks and reduced over the threads
+    # once per tile. PREFETCH: the next step's codes and scales are loaded
+    # before this step's decode. EVEN_K: KC divides K/16 (no masks).
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row = tl.program_id(1).to(tl.int64)
+    kb = K // 16
+    if ALIGNED:
+        kb = tl.multiple_of(kb, 16)
+    chunks = tl.cdiv(kb, KC)
+    ab = tl.arange(0, KC)
+    ar = tl.arange(0, ROWS)
+    xw = (x_ptr + row * stride_xm).to(tl.pointer_type(tl.int64))
+    factor = _output_factor(wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
+    mine = tl.cdiv(tl.cdiv(N, ROWS) - pid, nprog)  # row tiles this program walks
+    t = pid
+    c = 0
+    roff = _tile_rows(t, ROWS, ar, N) * kb
+    if PREFETCH:
+        blk, sb = _load_blocks_t(w_ptr, s_ptr, roff, kb, 0, ab, EVEN_K)
+    acc = tl.zeros((KC, ROWS), dtype=tl.float32)
+    for _ in range(0, mine * chunks):
+        b0 = c * KC
+        last = c == chunks - 1
+        t_next = tl.where(last, t + nprog, t)
+        c_next = tl.where(last, 0, c + 1)
+        roff_next = _tile_rows(t_next, ROWS, ar, N) * kb
+        if PREFETCH:  # this step's blocks came one step ago; the next step's go in flight now
+            cur, csb = blk, sb
+            blk, sb = _load_blocks_t(w_ptr, s_ptr, roff_next, kb, c_next * KC, ab, EVEN_K)
+        else:
+            cur, csb = _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K)
+        bidx = b0 + ab
+        b_ok = bidx < kb
+        bidx = tl.where(b_ok, bidx, 0)
+        p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
+        p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
+        part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
+                               p12[:, None], p13[:, None], EMULATE, MULDEC)
+        acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
+        if last:  # the tile's last chunk: reduce, store, start the next tile at zero
+            n = t * ROWS + ar
+            n_ok = n < N
+            y = tl.sum(acc, axis=0) * factor  # acc = sum v * x * scale * 2^-70
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + tl.where(n_ok, n, 0)).to(tl.float32)
+            tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+            acc = tl.zeros((KC, ROWS), dtype=tl.float32)
+        t, c, roff = t_next, c_next, roff_next
 
 
 @triton.jit
@@ -848,7 +983,7 @@ def _sm_count(device: torch.device) -> int:
 _RESIDENT: dict = {}
 
 
-def _resident_programs(args, grid, kwargs, device: torch.device) -> Optional[int]:
+def _resident_programs(args, grid, kwargs, device: torch.device, kernel=None) -> Optional[int]:
     """How many programs of this gemv6 build fit on one SM at once (registers,
     warps, shared memory), read from the compiled kernel; None if unknown.
     Cached per build. The session-4 configs were tuned where the kernel took
@@ -857,10 +992,11 @@ def _resident_programs(args, grid, kwargs, device: torch.device) -> Optional[int
     mostly idle second one (measured: 118 us instead of 81 on 70B.gate_up)."""
     if INTERPRET or device.type != "cuda":
         return None
-    key = (device.index, args[0].dtype, args[6].dtype, tuple(sorted(kwargs.items())))
+    kernel = kernel or _gemv_resident_kernel
+    key = (kernel.fn.__name__, device.index, args[0].dtype, args[6].dtype, tuple(sorted(kwargs.items())))
     if key not in _RESIDENT:
         try:
-            compiled = _gemv_resident_kernel.warmup(*args, grid=grid, **kwargs)
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
             compiled._init_handles()
             props = torch.cuda.get_device_properties(device)
             warps = kwargs["num_warps"]
@@ -877,14 +1013,53 @@ def _resident_programs(args, grid, kwargs, device: torch.device) -> Optional[int
 
 # gemv6 grids are cut to whole waves of resident programs (off: the configured programs per SM as given)
 GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
+# the streamed-x GEMV (gemv7) in the gemv6 path: "auto" where measured faster, "1" everywhere, "0" never
+GEMV7 = os.environ.get("FP4PTQ_GEMV7", "auto")
 # the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
 GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
+
+
+def _gemv7_config(m: int, n: int, k: int):
+    """(ROWS, num_warps, KC blocks a step, programs per SM, PREFETCH) of the streamed-x
+    GEMV for this shape, or None where gemv6 (x resident) runs."""
+    if GEMV7 == "0" or (GEMV7 == "auto" and not _gemv7_preferred(n, k)):
+        return None
+    return 8, 4, 256, 8, True
+
+
+def _gemv7_preferred(n: int, k: int) -> bool:
+    """Where the streamed-x GEMV replaces gemv6 (none until measured)."""
+    return False
+
+
+def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg):
+    """Launch the streamed-x GEMV (whole rows a program, no K split)."""
+    rows, warps, kc, per_sm, prefetch = cfg
+    kb = k // 16
+    args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
+    kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
+                  ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
+                  num_warps=warps)
+    sms = _sm_count(x2.device)
+    programs = per_sm * sms
+    if GEMV6_WHOLE_WAVES:
+        fit = _resident_programs(args, (1, m), kwargs, x2.device, _gemv_stream_kernel)
+        if fit is not None and per_sm > fit:
+            programs = (per_sm // fit) * fit * sms
+    grid = (max(1, min(triton.cdiv(n, rows), programs)), m)
+    _gemv_stream_kernel[grid](*args, **kwargs)
+    return y
 
 
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
            four_six=None):
     """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
-    K in segments (config) through an fp32 workspace and a summing pass."""
+    K in segments (config) through an fp32 workspace and a summing pass. Shapes
+    ``_gemv7_config`` names run the streamed-x GEMV instead."""
+    if amax is None:
+        cfg7 = _gemv7_config(m, n, k)
+        if cfg7 is not None:
+            return _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg7)
     rows, warps, per_sm, seg, prefetch = _gemv6_config(m, n, k)
     if seg % 16:
         raise ValueError(f"gemv6: K segment {seg} is not a whole number of 16-blocks")
