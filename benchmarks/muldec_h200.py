@@ -10,7 +10,8 @@ some layers (70B down among the six), so "mul" there now means the shipped rule 
 Phase "sweep" (``PHASES=sweep SWEPT=70B.down``): gemv6 configs (rows, warps, programs an SM, K segment,
 prefetch) with the new decode, then the shipped rule under both decodes and the three best configs in
 interleaved rounds. Phase "rule" (``PHASES=rule``): the shipped rule (decode and config) against the
-session-10 one (shift decode, 4-row tiles with four blocks of a row a thread where K is split) on the
+session-10 one (gemv6 only, shift decode, 4-row tiles with four blocks of a row a thread where K is
+split; the shipped rule runs the long-K layers on gemv7 since commit "gemv7: ... rule") on the
 Llama-3.1 shapes and other models' layers, interleaved rounds, outputs checked against the reference.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/muldec_h200.py   # $OUT/muldec_h200.json
@@ -45,13 +46,15 @@ def save():
 
 
 def decode(new: bool, fn, cfg=None):
+    """``fn`` under the shift (False) or multiply decode; with ``cfg``, gemv6 alone under that config
+    (the session-10 path: no streamed-x GEMV)."""
     gm.GEMV6_MULDEC = new
     if cfg is not None:
-        gm._gemv6_config = lambda m, n, k: cfg
+        gm._gemv6_config, gm.GEMV7 = (lambda m, n, k: cfg), "0"
     try:
         return fn()
     finally:
-        gm.GEMV6_MULDEC, gm._gemv6_config = True, shipped_config
+        gm.GEMV6_MULDEC, gm._gemv6_config, gm.GEMV7 = True, shipped_config, "auto"
 
 
 g = torch.Generator(device=dev).manual_seed(0)

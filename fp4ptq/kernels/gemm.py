@@ -1021,15 +1021,28 @@ GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
 
 def _gemv7_config(m: int, n: int, k: int):
     """(ROWS, num_warps, KC blocks a step, programs per SM, PREFETCH) of the streamed-x
-    GEMV for this shape, or None where gemv6 (x resident) runs."""
+    GEMV for this shape, or None where gemv6 (x resident) runs. From the session-11
+    H200 sweep (results/gemv7_h200.json, 96 configs a layer, then interleaved rounds):
+    8 rows a tile and 128 blocks a step; where the steps divide K (K a multiple of
+    2048) 2 warps and the next step loaded ahead (70B down 42.2 us, 8B down 12.9),
+    else 4 warps without (Qwen2-7B down 17.4, Llama-2-7B down 11.6, Qwen2-72B down
+    47.6); 8 programs an SM."""
     if GEMV7 == "0" or (GEMV7 == "auto" and not _gemv7_preferred(n, k)):
         return None
-    return 8, 4, 256, 8, True
+    if (k // 16) % 128 == 0:
+        return 8, 2, 128, 8, True
+    return 8, 4, 128, 8, False
 
 
 def _gemv7_preferred(n: int, k: int) -> bool:
-    """Where the streamed-x GEMV replaces gemv6 (none until measured)."""
-    return False
+    """Where the streamed-x GEMV replaces gemv6: layers of 32M weights and more whose K
+    gemv6 would split (session 11, interleaved rounds, gemv6 -> gemv7, us: 70B down 47.0
+    -> 42.3, 8B down 15.0 -> 12.9, Qwen2-7B down 21.5 -> 15.3, Llama-2-7B down 14.9 ->
+    10.8, Qwen2-72B down 67.7 -> 46.5). Where K is one segment gemv6 keeps x in registers
+    and stays ahead (70B gate_up 76.5 against 81.9, 8B gate_up 22.0 against 24.7) or level
+    (8B qkv 7.1 / 7.0)."""
+    large = n * k >= 1 << 26
+    return n * k >= 1 << 25 and k > _gemv6_segment(k, 8192 if large else 4096)
 
 
 def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg):
