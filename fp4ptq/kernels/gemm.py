@@ -6,7 +6,9 @@ Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
 dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
 activation row resident in registers and persistent programs over row tiles
 (M <= 2, bf16 activations; K split into power-of-two segments, the last one masked,
-when it is not one; the next row tile prefetched on large layers), ``gemv5`` its
+when it is not one; the next row tile prefetched on large layers; on layers of 32M
+weights and more whose K it would split, the down projections, the path runs gemv7
+instead: whole rows a program, x re-read from L1 each step, no split), ``gemv5`` its
 predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv``
 the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 (``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
@@ -32,6 +34,9 @@ two 16-bit floats with one shift pair and one masked merge (LOP3)::
 
     r_i = ((w << (S - 4i)) & MAG) | ((w << (12 - 4i)) & 0x80008000)
 
+(gemv6 / gemv7 decode bf16 in three operations instead, ``_pair_mul``: the nibbles
+masked, one multiply that writes two copies of each, one mask.)
+
 ``S = 9`` puts the magnitude under fp16 exponent/mantissa bits 9..11: the
 half is then ``v * 2^-14`` (0.5 is the fp16 subnormal 2^-15, which fp16
 arithmetic and conversions keep). ``S = 6`` does the same under bf16's
@@ -46,7 +51,7 @@ fp16, so the tiled GEMM multiplies exactly-decoded weights (the global
 ``1/global_enc`` is applied once to the fp32 accumulator). W4A4 feeds the
 same GEMMs with ``v_x * scale_x`` activations from the quantize kernel (exact
 too), so every product is an exact NVFP4 x NVFP4 product, accumulated in fp32.
-The exception is ``gemv5``/``gemv6``: they sum each block's 16 products in bf16 (packed
+The exception is ``gemv5``/``gemv6``/``gemv7``: they sum each block's 16 products in bf16 (packed
 ``fma.rn.bf16x2``; ~2^-9 relative per block sum, ~4e-3 on the outputs measured)
 before fp32 takes over; under the Triton interpreter that FMA is emulated.
 """
