@@ -449,13 +449,15 @@ def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkey
 @interpreted
 def test_gemv7_takes_the_long_k_layers(tk, monkeypatch):
     """The streamed-x GEMV where gemv6 would split K on layers of 32M weights and more (the down
-    projections), 2 warps and loading ahead where its steps divide K; gemv6 elsewhere; the knob
-    forces either way."""
+    projections): 2 warps, 128-block steps and loading ahead where such steps divide K, else 4 warps
+    and the step of 128 or 256 blocks that pads K less; gemv6 elsewhere; the knob forces either way."""
     _, gm = tk
     assert gm._gemv7_config(1, 8192, 28672) == (8, 2, 128, 8, True)      # 70B down
     assert gm._gemv7_config(1, 4096, 14336) == (8, 2, 128, 8, True)      # 8B down
-    assert gm._gemv7_config(1, 3584, 18944) == (8, 4, 128, 8, False)     # Qwen2-7B down: masked last step
-    assert gm._gemv7_config(1, 4096, 11008) == (8, 4, 128, 8, False)     # Llama-2-7B down
+    assert gm._gemv7_config(1, 3584, 18944) == (8, 4, 256, 8, False)     # Qwen2-7B down: masked last step
+    assert gm._gemv7_config(1, 4096, 11008) == (8, 4, 256, 8, False)     # Llama-2-7B down
+    assert gm._gemv7_config(1, 8192, 29568) == (8, 4, 128, 8, False)     # Qwen2-72B down: 256 would pad more
+    assert gm._gemv7_config(1, 5120, 17920) == (8, 4, 128, 8, False)     # Phi-3-medium down
     for n, k in ((57344, 8192), (28672, 4096), (6144, 4096), (576, 1536)):  # one segment, or small
         assert gm._gemv7_config(1, n, k) is None
     monkeypatch.setattr(gm, "GEMV7", "0")

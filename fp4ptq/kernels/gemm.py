@@ -1028,15 +1028,19 @@ def _gemv7_config(m: int, n: int, k: int):
     """(ROWS, num_warps, KC blocks a step, programs per SM, PREFETCH) of the streamed-x
     GEMV for this shape, or None where gemv6 (x resident) runs. From the session-11
     H200 sweep (results/gemv7_h200.json, 96 configs a layer, then interleaved rounds):
-    8 rows a tile and 128 blocks a step; where the steps divide K (K a multiple of
-    2048) 2 warps and the next step loaded ahead (70B down 42.2 us, 8B down 12.9),
-    else 4 warps without (Qwen2-7B down 17.4, Llama-2-7B down 11.6, Qwen2-72B down
-    47.6); 8 programs an SM."""
+    8 rows a tile, 8 programs an SM; where 128-block steps divide K (K a multiple of
+    2048) 2 warps, 128 blocks a step and the next step loaded ahead (70B down 42.2
+    us, 8B down 12.9); else 4 warps, nothing loaded ahead, and the step of 128 or
+    256 blocks that pads K less, 256 on a tie (results/gemv7_masked_h200.json,
+    interleaved, 128 -> 256 blocks: Qwen2-7B down 17.8 -> 16.3 and Llama-2-7B down
+    11.5 -> 10.8 pad alike; Qwen2-72B down 47.3 -> 48.7 and Phi-3-medium down 21.0
+    -> 24.6 pad more with 256)."""
     if GEMV7 == "0" or (GEMV7 == "auto" and not _gemv7_preferred(n, k)):
         return None
-    if (k // 16) % 128 == 0:
+    kb = k // 16
+    if kb % 128 == 0:
         return 8, 2, 128, 8, True
-    return 8, 4, 128, 8, False
+    return 8, 4, 256 if triton.cdiv(kb, 256) * 2 <= triton.cdiv(kb, 128) else 128, 8, False
 
 
 def _gemv7_preferred(n: int, k: int) -> bool:
