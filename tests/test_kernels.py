@@ -446,6 +446,16 @@ def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkey
     assert not gm._gemv6_muldec(28672, 4096)
 
 
+def test_unknown_gemv7_knob_is_refused_with_its_name_and_choices():
+    """FP4PTQ_GEMV7 takes auto / 1 / 0; anything else stops the import with the variable, its value
+    and the choices (rather than silently forcing the streamed GEMV everywhere)."""
+    env = dict(os.environ, FP4PTQ_GEMV7="yes")
+    done = subprocess.run([sys.executable, "-c", "import fp4ptq.kernels.gemm"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0
+    assert "FP4PTQ_GEMV7='yes'" in done.stderr and "auto" in done.stderr
+
+
 @interpreted
 def test_gemv7_takes_the_long_k_layers(tk, monkeypatch):
     """The streamed-x GEMV where gemv6 would split K on layers of 32M weights and more (the down

@@ -57,6 +57,7 @@ before fp32 takes over; under the Triton interpreter that FMA is emulated.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Optional
@@ -353,6 +354,13 @@ def _bf16_bits(v):
 
 
 @triton.jit
+def _scaled_block_sums(part, sb):
+    """fp32 ``(lane 0 + lane 1) * scale * 2^-8`` of each block's two bf16 partial sums
+    (``part``, one int32 a block) and its E4M3 scale byte."""
+    return (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+
+
+@triton.jit
 def _x_pair(x_lo, x_hi):
     """Two fp32 activations (bf16 values) -> one int32 holding bf16(x_lo * 2^64)
     (low half) and bf16(x_hi * 2^64) (high half): exact below 2^64."""
@@ -415,7 +423,7 @@ def _gemv_bf16x2_kernel(
                 else:
                     xp = _x_pair(tl.load(xs + i).to(tl.float32), tl.load(xs + i + 4).to(tl.float32))
                 part = _bf16x2_fma(_pair(w, i, 6, BF16_MAG), xp[None, :], part, EMULATE)
-        acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
+        acc += _scaled_block_sums(part, sb)
     y = tl.sum(acc, axis=1)
     # acc = sum v * x * scale * 2^-62 * 2^-8
     y = _output_scale(y, wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
@@ -428,12 +436,20 @@ def _gemv_bf16x2_kernel(
 # GEMV v6: x resident in registers, persistent programs over row tiles
 # --------------------------------------------------------------------------- #
 @triton.jit
+def _x_words(xw, bidx, b_ok, h: tl.constexpr):
+    """Half ``h`` of blocks ``bidx`` of the activation row as its two int64 words:
+    elements 0..3 of the half and 4..7 (zeros where ``b_ok`` is false)."""
+    lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)
+    hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)
+    return lo, hi
+
+
+@triton.jit
 def _x_pairs_from_words(xw, bidx, b_ok, h: tl.constexpr):
     """bf16x2 x registers of half ``h`` of blocks ``bidx``: four ``[KBP]`` int32,
     pair i = (x[16b + 8h + i], x[16b + 8h + i + 4]) * 2^64, from the block's
     int64 words 2h (elements 0..3 of the half) and 2h + 1 (elements 4..7)."""
-    lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)
-    hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)
+    lo, hi = _x_words(xw, bidx, b_ok, h)
     return _word_pair(lo, hi, 0), _word_pair(lo, hi, 1), _word_pair(lo, hi, 2), _word_pair(lo, hi, 3)
 
 
@@ -465,8 +481,7 @@ def _x_pair_prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
 def _x_pairs_stream(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
     """``_x_pairs_from_words`` in two instructions a pair (``_x_pair_prmt``), for a GEMV
     that re-reads x every step."""
-    lo = tl.load(xw + bidx * 4 + 2 * h, mask=b_ok, other=0)      # x[16b + 8h + 0..3]
-    hi = tl.load(xw + bidx * 4 + 2 * h + 1, mask=b_ok, other=0)  # x[16b + 8h + 4..7]
+    lo, hi = _x_words(xw, bidx, b_ok, h)
     lo0, lo1 = lo.to(tl.int32), (lo >> 32).to(tl.int32)
     hi0, hi1 = hi.to(tl.int32), (hi >> 32).to(tl.int32)
     return (_x_pair_prmt(lo0, hi0, 0x5410, EMULATE), _x_pair_prmt(lo0, hi0, 0x7632, EMULATE),
@@ -590,7 +605,7 @@ def _gemv_resident_kernel(
             cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
         part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :], p11[None, :],
                               p12[None, :], p13[None, :], EMULATE, MULDEC)
-        acc = (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
+        acc = _scaled_block_sums(part, csb)
         y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
         if SPLIT:
             tl.store(y_ptr + (seg * M + row) * N + n, y, mask=n_ok)
@@ -675,7 +690,7 @@ def _gemv_stream_kernel(
         p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
         part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
                                p12[:, None], p13[:, None], EMULATE, MULDEC)
-        acc += (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(csb)
+        acc += _scaled_block_sums(part, csb)
         if last:  # the tile's last chunk: reduce, store, start the next tile at zero
             n = t * ROWS + ar
             n_ok = n < N
@@ -953,6 +968,7 @@ def _gemv6_muldec(n: int, k: int) -> bool:
     return GEMV6_MULDEC and whole and seg >= 2048 and not (large and k > seg)
 
 
+@functools.lru_cache(maxsize=None)
 def _gemv6_segment(k: int, cap: int) -> int:
     """The K segment of gemv6: ``cdiv(K, segment)`` programs share a row, each holding
     its segment of x (a power-of-two number of blocks; the last segment, or a single
@@ -988,7 +1004,7 @@ def _sm_count(device: torch.device) -> int:
 _RESIDENT: dict = {}
 
 
-def _resident_programs(args, grid, kwargs, device: torch.device, kernel=None) -> Optional[int]:
+def _resident_programs(args, grid, kwargs, device: torch.device, kernel) -> Optional[int]:
     """How many programs of this gemv6 build fit on one SM at once (registers,
     warps, shared memory), read from the compiled kernel; None if unknown.
     Cached per build. The session-4 configs were tuned where the kernel took
@@ -997,7 +1013,6 @@ def _resident_programs(args, grid, kwargs, device: torch.device, kernel=None) ->
     mostly idle second one (measured: 118 us instead of 81 on 70B.gate_up)."""
     if INTERPRET or device.type != "cuda":
         return None
-    kernel = kernel or _gemv_resident_kernel
     key = (kernel.fn.__name__, device.index, args[0].dtype, args[6].dtype, tuple(sorted(kwargs.items())))
     if key not in _RESIDENT:
         try:
@@ -1016,10 +1031,23 @@ def _resident_programs(args, grid, kwargs, device: torch.device, kernel=None) ->
     return _RESIDENT[key]
 
 
+def _whole_wave_programs(kernel, args, grid, kwargs, device: torch.device, per_sm: int) -> int:
+    """``per_sm`` programs an SM, cut to whole waves of what the compiled ``kernel``
+    fits on one (``GEMV6_WHOLE_WAVES``; the persistent GEMVs)."""
+    sms = _sm_count(device)
+    if GEMV6_WHOLE_WAVES:
+        fit = _resident_programs(args, grid, kwargs, device, kernel)
+        if fit is not None and per_sm > fit:
+            return (per_sm // fit) * fit * sms  # whole waves only
+    return per_sm * sms
+
+
 # gemv6 grids are cut to whole waves of resident programs (off: the configured programs per SM as given)
 GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
 # the streamed-x GEMV (gemv7) in the gemv6 path: "auto" where measured faster, "1" everywhere, "0" never
 GEMV7 = os.environ.get("FP4PTQ_GEMV7", "auto")
+if GEMV7 not in ("auto", "0", "1"):
+    raise ValueError(f"FP4PTQ_GEMV7={GEMV7!r}: use auto (where measured faster), 1 (always) or 0 (never)")
 # the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
 GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
 
@@ -1062,12 +1090,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
                   num_warps=warps)
-    sms = _sm_count(x2.device)
-    programs = per_sm * sms
-    if GEMV6_WHOLE_WAVES:
-        fit = _resident_programs(args, (1, m), kwargs, x2.device, _gemv_stream_kernel)
-        if fit is not None and per_sm > fit:
-            programs = (per_sm // fit) * fit * sms
+    programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(triton.cdiv(n, rows), programs)), m)
     _gemv_stream_kernel[grid](*args, **kwargs)
     return y
@@ -1101,12 +1124,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
-    sms = _sm_count(x2.device)
-    programs = per_sm * sms
-    if GEMV6_WHOLE_WAVES:
-        fit = _resident_programs(args, (1, m, segments), kwargs, x2.device)
-        if fit is not None and per_sm > fit:
-            programs = (per_sm // fit) * fit * sms  # whole waves only
+    programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
     grid = (max(1, min(tiles, triton.cdiv(programs, segments))), m, segments)
     _gemv_resident_kernel[grid](*args, **kwargs)
     return sum_splits(target, y, bias_arg if has_bias else None)
