@@ -261,6 +261,84 @@ if "shortk" in PHASES:
             print(json.dumps(row), flush=True)
             save()
 
+# the persistent kernel (wsgemm.PERSISTENT): one program an SM walking the items, against a program an
+# item. First its outputs, which must equal the other kernel's bit for bit (same MMAs in the same order),
+# then interleaved times (W4A16 at M = 1024 / 2048 / 8192, W4A4 at 8192 on the K = 4096 layers, and the
+# cuBLAS W4A4 path's parts at 8B qkv M = 8192)
+if "persistent" in PHASES:
+    res["persistent"] = {"checks": [], "rows": [], "parts": {}}
+    for m, n, k, dt, bias in checks + [(8192, 6144, 4096, torch.bfloat16, True)]:
+        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+        x = torch.randn(m, k, device=dev, generator=g).to(dt)
+        b = torch.randn(n, device=dev, generator=g).to(dt) if bias else None
+        row = {"m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias, "plan": wsgemm.plan(m, n, k)}
+        try:
+            views = gm._weight_views(w)[2:]
+            outs = {}
+            for label, pers in (("items", False), ("persistent", True)):
+                for scheme, x_enc in (("w4a16", None), ("w4a4", torch.tensor([3.0], device=dev))):
+                    y = torch.full((m, n), float("nan"), device=dev, dtype=dt)
+                    wsgemm.matmul(x, *views, x_enc, b, y, persistent=pers)
+                    torch.cuda.synchronize()
+                    outs[label, scheme] = y
+            row["equal_w4a16"] = bool(torch.equal(outs["items", "w4a16"], outs["persistent", "w4a16"]))
+            row["equal_w4a4"] = bool(torch.equal(outs["items", "w4a4"], outs["persistent", "w4a4"]))
+            ref = x.float() @ w.dequantize(torch.float32).T + (b.float() if bias else 0)
+            row["rel_ref"] = rel(outs["persistent", "w4a16"], ref)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["persistent"]["checks"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    ok = all(r.get("equal_w4a16") and r.get("equal_w4a4") for r in res["persistent"]["checks"])
+    todo = [(name, m) for m in (1024, 2048) for name in SHAPES] + [(name, 8192) for name in ("8B.qkv", "8B.o",
+                                                                                            "8B.gate_up")]
+    for name, m in (todo if ok else []):
+        if time.time() - T0 > BUDGET:
+            break
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        wq = nvfp4.quantize(w)
+        views = gm._weight_views(wq)[2:]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        amax = x.float().abs().amax()
+        y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k)}
+        fns = {"cublas_bf16": lambda: x @ w.t(), "dequant_cublas": lambda: gm.linear_w4a16(x, wq, path="cublas"),
+               "items": lambda: wsgemm.matmul(x, *views, None, None, y, persistent=False),
+               "persistent": lambda: wsgemm.matmul(x, *views, None, None, y, persistent=True)}
+        if m == 8192:
+            fns.update({
+                "w4a4_cublas_path": lambda: gm.linear_w4a4(x, wq, amax, path="cublas"),
+                "w4a4_items": lambda: gm.linear_w4a4(x, wq, amax, path="wsgemm"),
+                "w4a4_persistent": lambda: (setattr(wsgemm, "PERSISTENT", True),
+                                            gm.linear_w4a4(x, wq, amax, path="wsgemm"),
+                                            setattr(wsgemm, "PERSISTENT", False))})
+        try:
+            row["median_us"] = mu = interleaved(fns)
+            row["items_vs_cublas"] = mu["cublas_bf16"] / mu["items"]
+            row["persistent_vs_cublas"] = mu["cublas_bf16"] / mu["persistent"]
+            if m == 8192:
+                row["w4a4_persistent_time_over_cublas"] = mu["w4a4_persistent"] / mu["cublas_bf16"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["persistent"]["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+        if name == "8B.qkv" and m == 8192:  # the cuBLAS W4A4 path's parts
+            from fp4ptq.kernels import quantize_kernel as qk
+            xs, x_enc = qk.quantize_scaled(x, amax)
+            wd = gm.dequantize(wq, torch.bfloat16, unit_global=True)
+            yy = xs @ wd.t()
+            res["persistent"]["parts"] = interleaved({
+                "quantize_scaled": lambda: qk.quantize_scaled(x, amax),
+                "dequantize": lambda: gm.dequantize(wq, torch.bfloat16, unit_global=True),
+                "mm_quantized_x": lambda: torch.mm(xs, wd.t()), "mm_raw_x": lambda: torch.mm(x, wd.t()),
+                "scale_output": lambda: yy.mul_(1.0)})
+            print(json.dumps(res["persistent"]["parts"]), flush=True)
+            save()
+        del x
+
 res["elapsed_s"] = time.time() - T0
 save()
 print("done", f"{res['elapsed_s']:.0f}s")

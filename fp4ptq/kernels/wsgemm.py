@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import os
 from typing import Optional
 
 import torch
@@ -110,8 +111,8 @@ def _spread(v, n: gl.constexpr):
 
 
 @gluon.jit
-def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0, off_m, off_n):
-    """TMA copies of K step ``k0 + j``'s activation tile and code words into ring slot ``j % XSTAGES``
+def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, kstep, off_m, off_n):
+    """TMA copies of K step ``kstep``'s activation tile and code words into ring slot ``j % XSTAGES``
     (``j`` counts this program's steps), once the consumers released the slot's previous activations
     (the decoder, the slot's only other reader, read its words two or more steps ago)."""
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
@@ -119,8 +120,8 @@ def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0, off_m, o
     s = j % XSTAGES
     mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
     mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    _tma_load(x_desc, [off_m, (k0 + j) * BK], ready.index(s), x_ring.index(s))
-    _tma_load(w_desc, [off_n, (k0 + j) * (BK // 8)], ready.index(s), w_ring.index(s))
+    _tma_load(x_desc, [off_m, kstep * BK], ready.index(s), x_ring.index(s))
+    _tma_load(w_desc, [off_n, kstep * (BK // 8)], ready.index(s), w_ring.index(s))
 
 
 @gluon.jit
@@ -135,18 +136,45 @@ def _issue_scales(s_desc, s_ring, s_ready, g, g0, off_n):
 
 
 @gluon.jit
-def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
-             off_n, k0, k_steps):
-    XSTAGES: gl.constexpr = w_ring.type.shape[0]
-    BK: gl.constexpr = w_ring.type.shape[2] * 8
+def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
+    """Decode one K step: the code words of ring slot ``w_slot`` ``[BN, BK/8]`` times the scale bytes
+    ``s_slice`` ``[BN, BK/16]`` into decoded slot ``i % BSTAGES`` (``i`` counts the program's steps), once
+    the consumers released it; then one proxy fence and the slot's arrival."""
     BSTAGES: gl.constexpr = b_ring.type.shape[0]
-    G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
+    BK: gl.constexpr = b_ring.type.shape[2]
     F16: gl.constexpr = b_ring.dtype == gl.float16
     DW: gl.constexpr = gl.num_warps()  # this partition's warps
     # one thread a row (BN / (32 DW) rows a thread), a row's BK/8 words and BK/16 scale bytes
     wl: gl.constexpr = gl.BlockedLayout([1, BK // 8], [32, 1], [DW, 1], [1, 0])
     sl: gl.constexpr = gl.BlockedLayout([1, BK // 16], [32, 1], [DW, 1], [1, 0])
     dl: gl.constexpr = gl.BlockedLayout([1, BK], [32, 1], [DW, 1], [1, 0])
+    wv = w_slot.load(wl)
+    sb = s_slice.load(sl)
+    # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100
+    # (bf16, exact), * 2^8 -> the scale itself (fp16)
+    s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
+    w8 = gl.convert_layout(_spread(wv, 8), dl, assert_trivial=True)
+    if F16:
+        sc = gl.convert_layout(_spread((s32 * 256.0).to(gl.float16), 16), dl, assert_trivial=True)
+        dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
+    else:
+        sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl, assert_trivial=True)
+        dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
+    b = i % BSTAGES
+    mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
+    b_ring.index(b).store(dec)
+    # one fence a step: the stores before the wgmma (async proxy) reads them, and this step's
+    # reads of the word and scale slots before their next TMA writes
+    fence_async_shared()
+    mbarrier.arrive(b_ready.index(b))
+
+
+@gluon.jit
+def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
+             off_n, k0, k_steps):
+    XSTAGES: gl.constexpr = w_ring.type.shape[0]
+    BK: gl.constexpr = w_ring.type.shape[2] * 8
+    G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
     # Everything this partition reads comes by TMA: no global load is outstanding at the proxy fences
     # (they compile to MEMBAR.ALL.CTA, which would wait for it)
     # this program's K steps k0 .. k0 + k_steps - 1 (k0 a multiple of G: whole scale groups)
@@ -154,7 +182,7 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
     _issue_scales(s_desc, s_ring, s_ready, 0, g0, off_n)
     for j in gl.static_range(XSTAGES - 2):
         if j < k_steps:
-            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0, off_m, off_n)
+            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0 + j, off_m, off_n)
     for g in range(gl.cdiv(k_steps, G)):
         if (g + 1) * G < k_steps:
             _issue_scales(s_desc, s_ring, s_ready, g + 1, g0, off_n)
@@ -164,34 +192,16 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
             if i < k_steps:
                 s = i % XSTAGES
                 mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
-                wv = w_ring.index(s).load(wl)
-                sb = s_ring.index(g % 2).slice(j * (BK // 16), BK // 16, dim=1).load(sl)
-                # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100
-                # (bf16, exact), * 2^8 -> the scale itself (fp16)
-                s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
-                w8 = gl.convert_layout(_spread(wv, 8), dl, assert_trivial=True)
-                if F16:
-                    sc = gl.convert_layout(_spread((s32 * 256.0).to(gl.float16), 16), dl, assert_trivial=True)
-                    dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
-                else:
-                    sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl,
-                                           assert_trivial=True)
-                    dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
-                b = i % BSTAGES
-                mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
-                b_ring.index(b).store(dec)
-                # one fence a step: the stores before the wgmma (async proxy) reads them, and this step's
-                # reads of the word and scale slots before their next TMA writes
-                fence_async_shared()
-                mbarrier.arrive(b_ready.index(b))
+                sb = s_ring.index(g % 2).slice(j * (BK // 16), BK // 16, dim=1)
+                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, i)
                 # step i + XSTAGES - 2 into the slot of step i - 2, whose activations the consumers released
                 # when MMA i - 2 completed, which they wait for after issuing MMA i - 1 (decoded before):
                 # this wait does not hold up the next decode. (Refilling the slot of step i - 1 here, run v3,
                 # waited for MMA i - 1 every step, so step i + 1's decode started only when MMA i did;
                 # before step i's decode it would deadlock.)
                 if i + XSTAGES - 2 < k_steps:
-                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2, k0, off_m,
-                                 off_n)
+                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2,
+                                 k0 + i + XSTAGES - 2, off_m, off_n)
 
 
 @gluon.jit
@@ -216,29 +226,49 @@ def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.
 
 
 @gluon.jit
-def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, k_steps,
-               full_tiles, splits, k_chunk, n0,
-               HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-               BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
-    dtype: gl.constexpr = x_desc.dtype
-    F16: gl.constexpr = dtype == gl.float16
-    num_m = gl.cdiv(M, BM)
-    pid = gl.program_id(0)
-    # Programs below ``full_tiles`` take a whole tile; the rest (the tail that would leave SMs idle in
-    # the last wave) take K range ``part`` of ``splits`` of a tile (``k_chunk`` steps, whole scale
-    # groups) and write fp32 partial outputs to ``part_ptr`` [splits, M, N - n0], summed by a second
-    # launch. Split tiles are whole weight-tile columns from column ``n0`` on (``plan``).
-    t = pid
-    part = pid * 0
-    if pid >= full_tiles:
-        t = full_tiles + (pid - full_tiles) // splits
-        part = (pid - full_tiles) % splits
-    k0 = part * k_chunk
-    ks = gl.minimum(k_steps - k0, gl.where(pid >= full_tiles, k_chunk, k_steps))
-    off_m = (t % num_m) * BM  # the row tiles of one weight tile run side by side: its codes come from HBM once
-    off_n = (t // num_m) * BN
+def _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
+              HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              WARPS: gl.constexpr):
+    """A tile's output: ``acc * 2^26 / global_enc`` (fp16: ``2^14``; W4A4: also ``/ global_x``), then
+    either the split part's fp32 partial sum or the output (+ bias) rounded once."""
+    F16: gl.constexpr = y_ptr.dtype.element_ty == gl.float16
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BN, 16])
+    enc = gl.load(wenc_ptr)
+    if HAS_XENC:
+        enc = enc * gl.load(xenc_ptr)
+    if F16:
+        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
+    else:
+        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
+    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
+    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
+    if is_part:
+        # an fp32 partial sum, scaled, without the bias (added once by the summing launch); a thread's
+        # pairs of 4-byte outputs fill whole 32-byte sectors, so the accumulator layout stores it
+        ns = N - n0
+        ok = (mo < M)[:, None] & (no < N)[None, :]
+        prow = (part * M + mo).to(gl.int64) * ns
+        gl.store(part_ptr + prow[:, None] + (no - n0)[None, :], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
+        # rounded once into the output dtype, then re-laid out so a thread stores 8 consecutive outputs (16
+        # bytes) and a warp whole rows: the accumulator layout stores 4-byte pairs (half of each sector wasted)
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])
+        yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
+        mo_s = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+        no_s = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+        ok_s = (mo_s < M)[:, None] & (no_s < N)[None, :]
+        gl.store(y_ptr + mo_s[:, None].to(gl.int64) * stride_ym + no_s[None, :], yo, mask=ok_s)
 
+
+
+@gluon.jit
+def _rings(x_desc, w_desc, s_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, XSTAGES: gl.constexpr,
+           BSTAGES: gl.constexpr):
+    """The shared-memory rings and their mbarriers (initialized and fenced)."""
+    dtype: gl.constexpr = x_desc.dtype
     x_ring = gl.allocate_shared_memory(dtype, [XSTAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.int32, [XSTAGES, BN, BK // 8], w_desc.layout)
     s_ring = gl.allocate_shared_memory(gl.uint8, [2, BN, 16], s_desc.layout)
@@ -258,43 +288,168 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
         mbarrier.init(b_ready.index(i), count=1)
         mbarrier.init(b_empty.index(i), count=1)
     fence_async_shared()
+    return x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty
 
+
+@gluon.jit
+def _item(w, full_tiles, splits, k_chunk, k_steps, num_m, BM: gl.constexpr, BN: gl.constexpr):
+    """Work item ``w``: below ``full_tiles`` a whole tile; the rest (the tail that would leave SMs idle in
+    the last wave) K range ``part`` of ``splits`` of a tile (``k_chunk`` steps, whole scale groups), whose
+    fp32 partial outputs a second launch sums; split tiles are whole weight-tile columns from column
+    ``n0`` on (``plan``). The row tiles of one weight tile are consecutive items, so they run side by
+    side and its codes come from HBM once. Returns (off_m, off_n, first K step, K steps, part, split)."""
+    is_part = w >= full_tiles
+    r = gl.maximum(w - full_tiles, 0)
+    t = gl.where(is_part, full_tiles + r // splits, w)
+    part = gl.where(is_part, r % splits, 0)
+    k0 = part * k_chunk
+    ks = gl.minimum(k_steps - k0, gl.where(is_part, k_chunk, k_steps))
+    return (t % num_m) * BM, (t // num_m) * BN, k0, ks, part, is_part
+
+
+@gluon.jit
+def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, k_steps,
+               full_tiles, splits, k_chunk, n0,
+               HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
+    # one program an item (``_item``)
+    off_m, off_n, k0, ks, part, is_part = _item(gl.program_id(0), full_tiles, splits, k_chunk, k_steps,
+                                                gl.cdiv(M, BM), BM, BN)
+    x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
+        x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
     acc = gl.warp_specialize([
         (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
                     off_m, off_n, k0, ks)),
     ], [DEC_WARPS], [DEC_REGS])[0]
+    _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
+              HAS_BIAS, HAS_XENC, BM, BN, WARPS)
 
+
+@gluon.jit
+def _p_decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
+               n_items, full_tiles, splits, k_chunk, k_steps, num_m, BM: gl.constexpr, BN: gl.constexpr):
+    # The persistent kernel's decoder: items pid, pid + P, ... (P programs). A load cursor (item ``li`` of
+    # this program, its step ``lj``, the program's step count ``lq``) runs XSTAGES - 2 steps ahead of the
+    # decode and crosses into the next item, so the next tile's copies and first decodes proceed while
+    # the consumers write this tile's output. Every item is whole scale groups, so the program's group
+    # count is its step count // G on both sides.
+    XSTAGES: gl.constexpr = w_ring.type.shape[0]
+    BK: gl.constexpr = w_ring.type.shape[2] * 8
+    G: gl.constexpr = 16 // (BK // 16)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    mine = gl.cdiv(n_items - pid, nprog)
+    li = pid * 0
+    lj = pid * 0
+    lq = pid * 0
+    loff_m, loff_n, lk0, lks, _p, _s = _item(pid, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)
+    for _ahead in gl.static_range(XSTAGES - 2):
+        if li < mine:
+            _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0, loff_m,
+                     loff_n)
+            lq += 1
+            lj += 1
+            if lj == lks:
+                li += 1
+                lj = pid * 0
+                loff_m, loff_n, lk0, lks, _p, _s = _item(pid + li * nprog, full_tiles, splits, k_chunk, k_steps,
+                                                       num_m, BM, BN)
+    q = pid * 0
+    for it in range(mine):
+        _m, _n, _k, ks, _p, _s = _item(pid + it * nprog, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)
+        for g in range(ks // G):
+            mbarrier.wait(s_ready.index((q // G) % 2), (q // G // 2) & 1)
+            for j in gl.static_range(G):
+                s = q % XSTAGES
+                mbarrier.wait(ready.index(s), (q // XSTAGES) & 1)
+                sb = s_ring.index((q // G) % 2).slice(j * (BK // 16), BK // 16, dim=1)
+                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, q)
+                if li < mine:  # the step XSTAGES - 2 ahead, into the slot of step q - 2 (see _decoder)
+                    _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0,
+                             loff_m, loff_n)
+                    lq += 1
+                    lj += 1
+                    if lj == lks:
+                        li += 1
+                        lj = pid * 0
+                        loff_m, loff_n, lk0, lks, _p, _s = _item(pid + li * nprog, full_tiles, splits, k_chunk,
+                                                               k_steps, num_m, BM, BN)
+                q += 1
+
+
+@gluon.jit
+def _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0, loff_m, loff_n):
+    """The persistent decoder's copies of its ``lq``-th step (step ``lj`` of an item starting at K step
+    ``lk0``): at a scale group's first step the group's scale bytes into slot ``(lq // G) % 2`` (the slot
+    of group lq // G - 2, decoded and fenced two or more steps ago), then the activations and words."""
+    BK: gl.constexpr = w_ring.type.shape[2] * 8
+    G: gl.constexpr = 16 // (BK // 16)
+    if lj % G == 0:
+        slot = (lq // G) % 2
+        mbarrier.expect(s_ready.index(slot), s_desc.block_type.nbytes)
+        _tma_load(s_desc, [loff_n, (lk0 + lj) // G * 16], s_ready.index(slot), s_ring.index(slot))
+    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, lq, lk0 + lj, loff_m, loff_n)
+
+
+@gluon.jit
+def _p_consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N,
+                stride_ym, n0, n_items, full_tiles, splits, k_chunk, k_steps, HAS_BIAS: gl.constexpr,
+                HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, XSTAGES: gl.constexpr,
+                BSTAGES: gl.constexpr, WARPS: gl.constexpr):
+    # The persistent kernel's consumers: as ``_consumer`` for each item, counting steps over the program
+    # (the rings' phases), then the item's epilogue, while the decoder runs into the next item.
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                     instr_shape=[16, BN, 16])
-    enc = gl.load(wenc_ptr)
-    if HAS_XENC:
-        enc = enc * gl.load(xenc_ptr)
-    if F16:
-        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
-    else:
-        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
-    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
-    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
-    if pid >= full_tiles:
-        # an fp32 partial sum, scaled, without the bias (added once by the summing launch); a thread's
-        # pairs of 4-byte outputs fill whole 32-byte sectors, so the accumulator layout stores it
-        ns = N - n0
-        ok = (mo < M)[:, None] & (no < N)[None, :]
-        prow = (part * M + mo).to(gl.int64) * ns
-        gl.store(part_ptr + prow[:, None] + (no - n0)[None, :], y, mask=ok)
-    else:
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
-        # rounded once into the output dtype, then re-laid out so a thread stores 8 consecutive outputs (16
-        # bytes) and a warp whole rows: the accumulator layout stores 4-byte pairs (half of each sector wasted)
-        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BN, BN // 8], [WARPS, 1], [1, 0])
-        yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
-        mo_s = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-        no_s = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-        ok_s = (mo_s < M)[:, None] & (no_s < N)[None, :]
-        gl.store(y_ptr + mo_s[:, None].to(gl.int64) * stride_ym + no_s[None, :], yo, mask=ok_s)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_m = gl.cdiv(M, BM)
+    q = pid * 0
+    for it in range(gl.cdiv(n_items - pid, nprog)):
+        off_m, off_n, k0, ks, part, is_part = _item(pid + it * nprog, full_tiles, splits, k_chunk, k_steps, num_m,
+                                                    BM, BN)
+        acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+        for i in range(ks):
+            s = q % XSTAGES
+            b = q % BSTAGES
+            mbarrier.wait(ready.index(s), (q // XSTAGES) & 1)
+            mbarrier.wait(b_ready.index(b), (q // BSTAGES) & 1)
+            acc = warpgroup_mma(x_ring.index(s), b_ring.index(b).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # step q - 1's MMA is complete: release its slots
+            mbarrier.arrive(x_empty.index((q + XSTAGES - 1) % XSTAGES), pred=i > 0)
+            mbarrier.arrive(b_empty.index((q + BSTAGES - 1) % BSTAGES), pred=i > 0)
+            q += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])  # the item's last MMA: release its slots too
+        mbarrier.arrive(x_empty.index((q + XSTAGES - 1) % XSTAGES))
+        mbarrier.arrive(b_empty.index((q + BSTAGES - 1) % BSTAGES))
+        _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part,
+                  is_part, HAS_BIAS, HAS_XENC, BM, BN, WARPS)
 
+
+@gluon.jit
+def _ws_persistent_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                          k_steps, full_tiles, splits, k_chunk, n0,
+                          HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                          BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
+                          DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
+    # Persistent: P programs (at most one an SM) walk the items pid, pid + P, ...; the same items, tiles
+    # and outputs as ``_ws_kernel``, without a ring fill and an idle decoder at every tile's start.
+    num_m = gl.cdiv(M, BM)
+    n_items = full_tiles + (num_m * gl.cdiv(N, BN) - full_tiles) * splits
+    x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
+        x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
+    gl.warp_specialize([
+        (_p_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr,
+                       M, N, stride_ym, n0, n_items, full_tiles, splits, k_chunk, k_steps, HAS_BIAS, HAS_XENC, BM,
+                       BN, XSTAGES, BSTAGES, WARPS)),
+        (_p_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready,
+                      b_empty, n_items, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)),
+    ], [DEC_WARPS], [DEC_REGS])
+
+
+# the persistent kernel (one program an SM walking the items) or a program an item
+PERSISTENT = os.environ.get("FP4PTQ_WSGEMM_PERSISTENT", "0") == "1"
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
 DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
@@ -424,12 +579,13 @@ def check_config(cfg: tuple) -> Optional[str]:
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True, persistent: Optional[bool] = None) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
-    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
+    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons).
+    ``persistent``: one program an SM walking the items (None: ``PERSISTENT``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -461,7 +617,12 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     n0 = nt0 * bn
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
     part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
-    _ws_kernel[(full + (tiles - full) * splits,)](
+    items = full + (tiles - full) * splits
+    if PERSISTENT if persistent is None else persistent:
+        kernel, grid = _ws_persistent_kernel, min(items, _sm_count(x2.device))
+    else:
+        kernel, grid = _ws_kernel, items
+    kernel[(grid,)](
         x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
         part, m, n, y.stride(0), k // bk, full, splits, chunk, n0,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
