@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import os
 from typing import Optional
 
 import torch
@@ -327,130 +326,6 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
               HAS_BIAS, HAS_XENC, BM, BN, WARPS)
 
 
-@gluon.jit
-def _p_decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
-               n_items, full_tiles, splits, k_chunk, k_steps, num_m, BM: gl.constexpr, BN: gl.constexpr):
-    # The persistent kernel's decoder: items pid, pid + P, ... (P programs). A load cursor (item ``li`` of
-    # this program, its step ``lj``, the program's step count ``lq``) runs XSTAGES - 2 steps ahead of the
-    # decode and crosses into the next item, so the next tile's copies and first decodes proceed while
-    # the consumers write this tile's output. Every item is whole scale groups, so the program's group
-    # count is its step count // G on both sides.
-    XSTAGES: gl.constexpr = w_ring.type.shape[0]
-    BK: gl.constexpr = w_ring.type.shape[2] * 8
-    G: gl.constexpr = 16 // (BK // 16)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    mine = gl.cdiv(n_items - pid, nprog)
-    li = pid * 0
-    lj = pid * 0
-    lq = pid * 0
-    loff_m, loff_n, lk0, lks, _p, _s = _item(pid, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)
-    for _ahead in gl.static_range(XSTAGES - 2):
-        if li < mine:
-            _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0, loff_m,
-                     loff_n)
-            lq += 1
-            lj += 1
-            if lj == lks:
-                li += 1
-                lj = pid * 0
-                loff_m, loff_n, lk0, lks, _p, _s = _item(pid + li * nprog, full_tiles, splits, k_chunk, k_steps,
-                                                       num_m, BM, BN)
-    q = pid * 0
-    for it in range(mine):
-        _m, _n, _k, ks, _p, _s = _item(pid + it * nprog, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)
-        for g in range(ks // G):
-            mbarrier.wait(s_ready.index((q // G) % 2), (q // G // 2) & 1)
-            for j in gl.static_range(G):
-                s = q % XSTAGES
-                mbarrier.wait(ready.index(s), (q // XSTAGES) & 1)
-                sb = s_ring.index((q // G) % 2).slice(j * (BK // 16), BK // 16, dim=1)
-                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, q)
-                if li < mine:  # the step XSTAGES - 2 ahead, into the slot of step q - 2 (see _decoder)
-                    _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0,
-                             loff_m, loff_n)
-                    lq += 1
-                    lj += 1
-                    if lj == lks:
-                        li += 1
-                        lj = pid * 0
-                        loff_m, loff_n, lk0, lks, _p, _s = _item(pid + li * nprog, full_tiles, splits, k_chunk,
-                                                               k_steps, num_m, BM, BN)
-                q += 1
-
-
-@gluon.jit
-def _p_issue(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, lq, lj, lk0, loff_m, loff_n):
-    """The persistent decoder's copies of its ``lq``-th step (step ``lj`` of an item starting at K step
-    ``lk0``): at a scale group's first step the group's scale bytes into slot ``(lq // G) % 2`` (the slot
-    of group lq // G - 2, decoded and fenced two or more steps ago), then the activations and words."""
-    BK: gl.constexpr = w_ring.type.shape[2] * 8
-    G: gl.constexpr = 16 // (BK // 16)
-    if lj % G == 0:
-        slot = (lq // G) % 2
-        mbarrier.expect(s_ready.index(slot), s_desc.block_type.nbytes)
-        _tma_load(s_desc, [loff_n, (lk0 + lj) // G * 16], s_ready.index(slot), s_ring.index(slot))
-    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, lq, lk0 + lj, loff_m, loff_n)
-
-
-@gluon.jit
-def _p_consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N,
-                stride_ym, n0, n_items, full_tiles, splits, k_chunk, k_steps, HAS_BIAS: gl.constexpr,
-                HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, XSTAGES: gl.constexpr,
-                BSTAGES: gl.constexpr, WARPS: gl.constexpr):
-    # The persistent kernel's consumers: as ``_consumer`` for each item, counting steps over the program
-    # (the rings' phases), then the item's epilogue, while the decoder runs into the next item.
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                    instr_shape=[16, BN, 16])
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_m = gl.cdiv(M, BM)
-    q = pid * 0
-    for it in range(gl.cdiv(n_items - pid, nprog)):
-        off_m, off_n, k0, ks, part, is_part = _item(pid + it * nprog, full_tiles, splits, k_chunk, k_steps, num_m,
-                                                    BM, BN)
-        acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
-        for i in range(ks):
-            s = q % XSTAGES
-            b = q % BSTAGES
-            mbarrier.wait(ready.index(s), (q // XSTAGES) & 1)
-            mbarrier.wait(b_ready.index(b), (q // BSTAGES) & 1)
-            acc = warpgroup_mma(x_ring.index(s), b_ring.index(b).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])  # step q - 1's MMA is complete: release its slots
-            mbarrier.arrive(x_empty.index((q + XSTAGES - 1) % XSTAGES), pred=i > 0)
-            mbarrier.arrive(b_empty.index((q + BSTAGES - 1) % BSTAGES), pred=i > 0)
-            q += 1
-        acc = warpgroup_mma_wait(0, deps=[acc])  # the item's last MMA: release its slots too
-        mbarrier.arrive(x_empty.index((q + XSTAGES - 1) % XSTAGES))
-        mbarrier.arrive(b_empty.index((q + BSTAGES - 1) % BSTAGES))
-        _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part,
-                  is_part, HAS_BIAS, HAS_XENC, BM, BN, WARPS)
-
-
-@gluon.jit
-def _ws_persistent_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym,
-                          k_steps, full_tiles, splits, k_chunk, n0,
-                          HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                          BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-                          DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
-    # Persistent: P programs (at most one an SM) walk the items pid, pid + P, ...; the same items, tiles
-    # and outputs as ``_ws_kernel``, without a ring fill and an idle decoder at every tile's start.
-    num_m = gl.cdiv(M, BM)
-    n_items = full_tiles + (num_m * gl.cdiv(N, BN) - full_tiles) * splits
-    x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
-        x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
-    gl.warp_specialize([
-        (_p_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr,
-                       M, N, stride_ym, n0, n_items, full_tiles, splits, k_chunk, k_steps, HAS_BIAS, HAS_XENC, BM,
-                       BN, XSTAGES, BSTAGES, WARPS)),
-        (_p_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready,
-                      b_empty, n_items, full_tiles, splits, k_chunk, k_steps, num_m, BM, BN)),
-    ], [DEC_WARPS], [DEC_REGS])
-
-
-# the persistent kernel (one program an SM walking the items) or a program an item
-PERSISTENT = os.environ.get("FP4PTQ_WSGEMM_PERSISTENT", "0") == "1"
-
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
 DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
 
@@ -579,13 +454,12 @@ def check_config(cfg: tuple) -> Optional[str]:
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True, persistent: Optional[bool] = None) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
-    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons).
-    ``persistent``: one program an SM walking the items (None: ``PERSISTENT``)."""
+    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -617,12 +491,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     n0 = nt0 * bn
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
     part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
-    items = full + (tiles - full) * splits
-    if PERSISTENT if persistent is None else persistent:
-        kernel, grid = _ws_persistent_kernel, min(items, _sm_count(x2.device))
-    else:
-        kernel, grid = _ws_kernel, items
-    kernel[(grid,)](
+    _ws_kernel[(full + (tiles - full) * splits,)](
         x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
         part, m, n, y.stride(0), k // bk, full, splits, chunk, n0,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
