@@ -477,6 +477,22 @@ def test_gemv7_takes_the_long_k_layers(tk, monkeypatch):
 
 
 @interpreted
+def test_gemv6_takes_only_layers_its_32_bit_block_offsets_address(tk):
+    """gemv6 / gemv7 address blocks as row * K/16 + block in int32: the automatic choice moves a layer
+    of 2^31 blocks or more to gemv4, and an explicit gemv6 launch refuses it, naming the shape."""
+    _, gm = tk
+    cpu = torch.device("cpu")
+    assert gm._block_offsets_fit(128256, 16384)  # the largest embedding-sized layers: 131M blocks
+    assert gm._auto_path(1, torch.bfloat16, False, 16384, cpu, 1 << 17) == gm.GEMV_PATH
+    big = (1 << 31) // (16384 // 16)  # rows whose blocks reach 2^31
+    assert not gm._block_offsets_fit(big, 16384) and gm._block_offsets_fit(big - 1, 16384)
+    if gm.GEMV_PATH == "gemv6":
+        assert gm._auto_path(1, torch.bfloat16, False, 16384, cpu, big) == "gemv4"
+    with pytest.raises(ValueError, match=f"{big} x 16384 weight.*32-bit"):
+        gm._gemv6(None, None, None, None, None, None, None, 1, big, 16384, False, None)
+
+
+@interpreted
 def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
     """Programs per SM above what fits at once round down to whole waves of
     resident programs (a partial second wave ran 1.5x slower on the H200)."""

@@ -602,7 +602,7 @@ def _gemv_resident_kernel(
             cur, csb = blk, sb
             blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(t + nprog, ROWS, ar, N), kb, 0, ab, EVEN_K)
         else:
-            cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
+            cur, csb = _load_blocks(w_ptr, s_ptr, _tile_rows(t, ROWS, ar, N), kb, 0, ab, EVEN_K)  # ab: the segment's
         part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :], p11[None, :],
                               p12[None, :], p13[None, :], EMULATE, MULDEC)
         acc = _scaled_block_sums(part, csb)
@@ -704,10 +704,12 @@ def _gemv_stream_kernel(
 
 @triton.jit
 def _tile_rows(t, ROWS: tl.constexpr, ar, N):
-    """Rows of row tile ``t`` as int64, those past N (and every row of a tile past
-    the last) replaced by row 0: loaded, never stored."""
+    """Rows of row tile ``t``, those past N (and every row of a tile past the last)
+    replaced by row 0: loaded, never stored. int32: the launchers take only layers
+    whose block count N * K / 16 fits (``_check_block_offsets``), and 32-bit row
+    offsets save gemv6/gemv7 a 64-bit multiply a row a step."""
     n = t * ROWS + ar
-    return tl.where(n < N, n, 0).to(tl.int64)
+    return tl.where(n < N, n, 0)
 
 
 @triton.jit
@@ -1096,11 +1098,23 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     return y
 
 
+# gemv6 / gemv7 address a row's blocks with 32-bit offsets (row * K/16 + block): layers of up to 2^31
+# blocks (34 billion weights; the largest LLM layers hold about 2 billion)
+GEMV6_MAX_BLOCKS = 1 << 31
+
+
+def _block_offsets_fit(n: int, k: int) -> bool:
+    return n * triton.cdiv(k, BLOCK_SIZE) < GEMV6_MAX_BLOCKS
+
+
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
            four_six=None):
     """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
     K in segments (config) through an fp32 workspace and a summing pass. Shapes
     ``_gemv7_config`` names run the streamed-x GEMV instead."""
+    if not _block_offsets_fit(n, k):
+        raise ValueError(f"gemv6: a {n} x {k} weight has {n * triton.cdiv(k, BLOCK_SIZE)} blocks, more than its "
+                         f"32-bit offsets address ({GEMV6_MAX_BLOCKS}); use path 'gemv4' or 'mma'")
     if amax is None:
         cfg7 = _gemv7_config(m, n, k)
         if cfg7 is not None:
@@ -1245,6 +1259,8 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
 
     if m <= GEMV_MAX_M:
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+        if gemv == "gemv6" and not _block_offsets_fit(n, k):
+            gemv = "gemv4"
         if ((m == 2 and n * k >= 1 << 22) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
@@ -1413,7 +1429,8 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     requested = path
     if path is None:
         path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device, weight.shape[0])
-        if W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6":
+        if (W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6"
+                and _block_offsets_fit(weight.shape[0], x2.shape[-1])):
             path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
         elif x2.shape[0] > GEMV_MAX_M and dot_scaled.ready(x2.device, "e2m1") is None:
             path = "dot_scaled"  # sm_100+: NVFP4 x NVFP4 on FP4 tensor cores
