@@ -602,7 +602,7 @@ def _gemv_resident_kernel(
             cur, csb = blk, sb
             blk, sb = _load_blocks(w_ptr, s_ptr, _tile_rows(t + nprog, ROWS, ar, N), kb, 0, ab, EVEN_K)
         else:
-            cur, csb = _load_blocks(w_ptr, s_ptr, _tile_rows(t, ROWS, ar, N), kb, 0, ab, EVEN_K)  # ab: the segment's
+            cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
         part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :], p11[None, :],
                               p12[None, :], p13[None, :], EMULATE, MULDEC)
         acc = _scaled_block_sums(part, csb)
