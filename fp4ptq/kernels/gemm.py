@@ -706,7 +706,7 @@ def _gemv_stream_kernel(
 def _tile_rows(t, ROWS: tl.constexpr, ar, N):
     """Rows of row tile ``t``, those past N (and every row of a tile past the last)
     replaced by row 0: loaded, never stored. int32: the launchers take only layers
-    whose block count N * K / 16 fits (``_check_block_offsets``), and 32-bit row
+    whose block count N * K / 16 fits (``_block_offsets_fit``), and 32-bit row
     offsets save gemv6/gemv7 a 64-bit multiply a row a step."""
     n = t * ROWS + ar
     return tl.where(n < N, n, 0)
