@@ -13,8 +13,13 @@ import torch
 
 import peers_h200 as peers
 from fp4ptq import nvfp4
-from fp4ptq.kernels import _gemm_before as before
 from fp4ptq.kernels import gemm as gm
+
+try:
+    from fp4ptq.kernels import _gemm_before as before
+except ImportError:
+    raise SystemExit("rowoff_h200.py compares against fp4ptq/kernels/_gemm_before.py, which is not there: "
+                     "git show <commit>:fp4ptq/kernels/gemm.py > fp4ptq/kernels/_gemm_before.py first") from None
 
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(3)

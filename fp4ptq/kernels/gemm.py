@@ -270,15 +270,20 @@ def _load_blocks(w_ptr, s_ptr, n, kb, b0, ab, EVEN_K: tl.constexpr):
     zeros past K. The scale index goes through a select so that the byte load
     does not pick the tile's layout (the 16-byte code loads should)."""
     bidx = b0 + ab
-    sidx = tl.where(bidx < kb, bidx, 0)
+    b_ok = bidx < kb
+    sidx = tl.where(b_ok, bidx, 0)
+    return _codes_and_scales(w_ptr + n[:, None] * kb + bidx[None, :], s_ptr + n[:, None] * kb + sidx[None, :],
+                             b_ok[None, :], EVEN_K)
+
+
+@triton.jit
+def _codes_and_scales(w_ptrs, s_ptrs, ok, EVEN_K: tl.constexpr):
+    """The code words and scale bytes at ``w_ptrs`` / ``s_ptrs``; where ``ok`` is false
+    (past K) zeros, unless EVEN_K says every block is inside."""
     if EVEN_K:
-        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :])
-        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :])
+        return tl.load(w_ptrs), tl.load(s_ptrs)
     else:
-        b_ok = bidx < kb
-        blk = tl.load(w_ptr + n[:, None] * kb + bidx[None, :], mask=b_ok[None, :], other=0)
-        sb = tl.load(s_ptr + n[:, None] * kb + sidx[None, :], mask=b_ok[None, :], other=0)
-    return blk, sb
+        return tl.load(w_ptrs, mask=ok, other=0), tl.load(s_ptrs, mask=ok, other=0)
 
 
 @triton.jit
@@ -618,7 +623,7 @@ def _gemv_resident_kernel(
 @triton.jit
 def _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K: tl.constexpr):
     """``_load_blocks`` transposed (``[KC, ROWS]``, K first) for ``_gemv_stream_kernel``, rows
-    given as offsets ``roff = row * K/16`` (int64). The block index goes through a select,
+    given as offsets ``roff = row * K/16`` (int32). The block index goes through a select,
     so that no load sees contiguous blocks: every operand of a step then takes a
     one-block-a-thread layout along K with all ROWS rows of a block in one thread, which
     x's words share (no layout conversions). Masked past K unless EVEN_K."""
@@ -626,11 +631,7 @@ def _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K: tl.constexpr):
     ok = bidx < kb
     idx = tl.where(ok, bidx, 0)
     offs = roff[None, :] + idx[:, None]
-    if EVEN_K:
-        return tl.load(w_ptr + offs), tl.load(s_ptr + offs)
-    else:
-        return (tl.load(w_ptr + offs, mask=ok[:, None], other=0),
-                tl.load(s_ptr + offs, mask=ok[:, None], other=0))
+    return _codes_and_scales(w_ptr + offs, s_ptr + offs, ok[:, None], EVEN_K)
 
 
 @triton.jit
