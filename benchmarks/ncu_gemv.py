@@ -25,6 +25,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--paths", default="gemv6,gemv5,tinygemm,cublas")
+    parser.add_argument("--mma-stages", type=int, default=None,
+                        help="override mma.py's ring depth (negative: its x-segment mode)")
     args = parser.parse_args()
     sys.path.insert(0, os.environ.get("PEERS_DIR", ".peers"))
     import peers_h200 as peers
@@ -39,6 +41,11 @@ def main() -> int:
     fns = {"tinygemm": lambda: tiny(x), "cublas": lambda: x @ w.t()}
     for p in ("gemv4", "gemv5", "gemv6", "mma", "gemm", "wsgemm", "cublas_path"):
         fns[p] = lambda p=p: gm.linear_w4a16(x, wq, path="cublas" if p == "cublas_path" else p)
+    if args.mma_stages is not None:
+        from fp4ptq.kernels import mma
+
+        shipped = mma.config
+        mma.config = lambda *a, **kw: shipped(*a, **kw)[:5] + (args.mma_stages,)
     labels = args.paths.split(",")
     tiny = peers.make_tinygemm(w) if "tinygemm" in labels else None
     print(f"gemv6 config {gm._gemv6_config(1, args.n, args.k)}", flush=True)

@@ -499,8 +499,9 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
                 HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
                 DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
             )
-        return matmul(x2, words[n0:], sbits[n0:], enc, x_enc, bias[n0:] if has_bias else None, y[:, n0:],
-                      (tail_bm,) + tuple(cfg[1:]), split=False)
+        matmul(x2, words[n0:], sbits[n0:], enc, x_enc, bias[n0:] if has_bias else None, y[:, n0:],
+               (tail_bm,) + tuple(cfg[1:]), split=False)
+        return y
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
     part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
     _ws_kernel[(full + (tiles - full) * splits,)](
