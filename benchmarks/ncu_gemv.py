@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--paths", default="gemv6,gemv5,tinygemm,cublas")
     parser.add_argument("--mma-stages", type=int, default=None,
-                        help="override mma.py's ring depth (negative: its x-segment mode)")
+                        help="override the ring depth of mma.py's config")
     args = parser.parse_args()
     sys.path.insert(0, os.environ.get("PEERS_DIR", ".peers"))
     import peers_h200 as peers

@@ -9,8 +9,7 @@ WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds), PH
 default "checks,rows,variants"; "split" times the split tail (``wsgemm.plan``) against whole tiles and
 dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 through wsgemm against the
 cuBLAS W4A4 path at M = 1536..8192; "shortk" times it on other models' layers with K = 3072 / 3584, below
-the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024; "narrow" times the split tail against
-the tail run as whole tiles of 128 or 64 activation rows in a second launch).
+the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024).
 """
 from __future__ import annotations
 
@@ -204,46 +203,6 @@ if "split" in PHASES:
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:400]
         res["split"].append(row)
-        print(json.dumps(row), flush=True)
-        save()
-
-# the split tail against a narrow tail (the tail's weight columns as whole tiles of 128 or 64 activation rows
-# in a second launch, no partial sums), on every row where plan() splits; 3 interleaved rounds
-if "narrow" in PHASES:
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    res["narrow"] = []
-    todo = [(name, m) for m in (256, 512, 768, 1024, 1536) for name, (n, k) in SHAPES.items()
-            if wsgemm.plan(m, n, k, sms)[1] > 1]
-    weights = {}
-    for name, m in todo:
-        if time.time() - T0 > BUDGET:
-            break
-        n, k = SHAPES[name]
-        if name not in weights:
-            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-            weights[name] = (w, nvfp4.quantize(w))
-        w, wq = weights[name]
-        views = gm._weight_views(wq)[2:]
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
-        y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-        row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k, sms)}
-        try:
-            ref = whole_tiles(x, wq)
-            fns = {"cublas_bf16": lambda: x @ w.t(), "split": lambda: wsgemm.matmul(x, *views, None, None, y)}
-            for tb in (128, 64):
-                try:
-                    got = wsgemm.matmul(x, *views, None, None, torch.full_like(y, float("nan")), tail_bm=tb)
-                    row[f"rel_whole_narrow{tb}"] = rel(got, ref)
-                    fns[f"narrow{tb}"] = (lambda t=tb: wsgemm.matmul(x, *views, None, None, y, tail_bm=t))
-                except Exception as exc:  # noqa: BLE001 - a tile the kernel does not build
-                    row[f"error_narrow{tb}"] = repr(exc)[:300]
-            c128 = (128,) + tuple(wsgemm.DEFAULT_CONFIG[1:])
-            fns["whole_bm128"] = lambda: wsgemm.matmul(x, *views, None, None, y, cfg=c128, split=False)
-            row["median_us"] = mu = interleaved(fns)
-            row["vs_cublas"] = {a: mu["cublas_bf16"] / b for a, b in mu.items()}
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = repr(exc)[:400]
-        res["narrow"].append(row)
         print(json.dumps(row), flush=True)
         save()
 

@@ -172,18 +172,12 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
     B (activations ``[BK, BM]``), both in K order ``32 s + 8 c + j`` with the
     pairs of every 8 as (0, 4), (1, 5), (2, 6), (3, 7). No data moves between
     threads (the layout conversions are asserted trivial)."""
-    return _decode_w(wp, sb, xp.dtype, a_l, BN, BK), _pair_x(xp, b_l, BM, BK)
-
-
-@gluon.jit
-def _decode_w(wp, sb, xdtype: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
-    """A step's code words ``[BN, BK/8]`` and scale bytes ``[BN, BK/16]`` -> the MMA's A operand."""
     S: gl.constexpr = BK // 32
     T: gl.constexpr = BK // 64
     # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100, exact in
     # bf16; * 2^8 -> the scale itself in fp16
     s32 = (sb.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32)
-    if xdtype == gl.float16:
+    if xp.dtype == gl.float16:
         sc = (s32 * 256.0).to(gl.float16)
     else:
         sc = (s32 * 3.2451855365842673e32).to(gl.bfloat16)
@@ -192,19 +186,14 @@ def _decode_w(wp, sb, xdtype: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr,
     sc = gl.reshape(sc, [BN, 4, T])
     sc = gl.permute(gl.reshape(gl.join(sc, sc), [BN, 4, S]), [0, 2, 1])  # block of (s, c): T c + s // 2
     sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
-    if xdtype == gl.float16:
-        return gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
+    if xp.dtype == gl.float16:
+        a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
     else:
-        return gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
-
-
-@gluon.jit
-def _pair_x(xp, b_l: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr):
-    """A step's activations ``[BK, BM]`` (8 consecutive K a thread) -> the MMA's B operand in the decode's order."""
-    S: gl.constexpr = BK // 32
+        a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
     xt = gl.convert_layout(xt, b_l, assert_trivial=True)
-    return gl.inline_asm_elementwise(_PAIR_X, "=r,=r,=r,=r,r,r,r,r", [xt], xp.dtype, True, 8)
+    b = gl.inline_asm_elementwise(_PAIR_X, "=r,=r,=r,=r,r,r,r,r", [xt], xp.dtype, True, 8)
+    return a, b
 
 
 @gluon.jit
@@ -260,9 +249,6 @@ def _mma_kernel(
     k_hi = gl.minimum(k_lo + K_SPLIT, KW8 * 64)  # K; the last program's K range may be shorter (whole steps)
     k_last = k_hi - BK
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    # the activations' copy layout: a step's [BK, BM] spread over all the threads
-    xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
-    xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
     if STAGES >= 2:  # cp.async ring of STAGES steps in shared memory
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
@@ -273,6 +259,8 @@ def _mma_kernel(
         x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BK, BM], k_major)
         rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
+        xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
+        xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
         for i in gl.static_range(STAGES - 1):
             kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
             _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
@@ -295,26 +283,6 @@ def _mma_kernel(
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
-    elif STAGES < 0:  # the activations in shared memory -STAGES steps at a time, the weights straight to registers
-        NS: gl.constexpr = -STAGES
-        k_major_x: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
-        x_buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NS, BK, BM], k_major_x)
-        wp = gl.load(w_ptr + k_lo // 8 + w_off)
-        sb = gl.load(s_ptr + k_lo // 16 + s_off)
-        for seg in range(k_lo, k_hi, NS * BK):
-            _sync()  # every warp is done with the last segment
-            for j in gl.static_range(NS):  # past the end: a reload, never read
-                kx = gl.multiple_of(gl.minimum(seg + j * BK, k_last), BK)
-                x_buf.index(j).store(gl.load(x_ptr + kx + xc_off))
-            _sync()
-            for k0 in range(seg, gl.minimum(seg + NS * BK, k_hi), BK):
-                kn = gl.multiple_of(gl.minimum(k0 + BK, k_last), BK)
-                wn = gl.load(w_ptr + kn // 8 + w_off)
-                sn = gl.load(s_ptr + kn // 16 + s_off)
-                a = _decode_w(wp, sb, x_ptr.dtype.element_ty, a_l, BN, BK)
-                acc = mma_v2(a, _pair_x(x_buf.index((k0 - seg) // BK).load(XL), b_l, BM, BK), acc)
-                wp = wn
-                sb = sn
     elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
         for k0 in range(k_lo, k_last + BK, BK):
@@ -335,9 +303,6 @@ def _mma_kernel(
 
 
 MAX_M = 64
-# the register cap of the x-segment mode (STAGES < 0): 128 keeps four programs of 4 warps an SM (ptxas
-# gives it 132 uncapped, with no spills at 128); 0: no cap
-XSEG_MAXNREG = 128
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
@@ -416,7 +381,6 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
         BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
-        maxnreg=(XSEG_MAXNREG or None) if stages < 0 else None,
     )
     return sum_splits(target, y, bias)
 

@@ -454,14 +454,12 @@ def check_config(cfg: tuple) -> Optional[str]:
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True, tail_bm: int = 0) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
-    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons).
-    ``tail_bm`` (experiment): where ``plan`` splits, run the tail's weight columns as whole tiles of
-    ``tail_bm`` activation rows in a second launch instead (no partial sums)."""
+    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -491,17 +489,6 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     full, splits, chunk, nt0, _ = plan(m, n, k, _sm_count(x2.device), cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
-    if splits > 1 and tail_bm:
-        if full:
-            _ws_kernel[(full,)](
-                x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc,
-                y, enc, m, n, y.stride(0), k // bk, full, 1, k // bk, n,
-                HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
-                DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
-            )
-        matmul(x2, words[n0:], sbits[n0:], enc, x_enc, bias[n0:] if has_bias else None, y[:, n0:],
-               (tail_bm,) + tuple(cfg[1:]), split=False)
-        return y
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
     part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
     _ws_kernel[(full + (tiles - full) * splits,)](
