@@ -100,7 +100,7 @@ def _bits(n: int) -> list:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
-def _layouts(bn: int, bm: int, bk: int, warps: int, x_vec: int = 8, s_vec: int = 4):
+def _layouts(bn: int, bm: int, bk: int, warps: int):
     """Load layouts of one step's words ``[BN, BK/8]``, scale bytes ``[BN, BK/16]``
     and activations ``[BK, BM]``: each is the MMA operand layout (see
     ``_operands``) with K relabelled so that a thread's words (4 * BK/128 of
@@ -125,9 +125,9 @@ def _layouts(bn: int, bm: int, bk: int, warps: int, x_vec: int = 8, s_vec: int =
         block_bases=[], shape=[bk, bm])
     # cp.async copies: 4 scale bytes / 8 activations a thread, coalesced (the ring buffers hand
     # the data to the threads that use it: one barrier a step)
-    lanes_s = min(32, max(1, bk // (16 * s_vec)))
-    s_copy = gl.BlockedLayout([1, min(s_vec, bk // 16)], [32 // lanes_s, lanes_s], [warps, 1], [1, 0])
-    x_copy = gl.BlockedLayout([x_vec, 1], [min(32, bk // x_vec), max(1, 32 // (bk // x_vec))], [1, warps], [0, 1])
+    lanes_s = min(32, bk // 64)
+    s_copy = gl.BlockedLayout([1, 4], [32 // lanes_s, lanes_s], [warps, 1], [1, 0])
+    x_copy = gl.BlockedLayout([8, 1], [min(32, bk // 8), max(1, 32 // (bk // 8))], [1, warps], [0, 1])
     return words, scales, acts, s_copy, x_copy
 
 
@@ -349,11 +349,6 @@ def supports(m: int, n: int, k: int) -> bool:
 
 
 _LAYOUTS: dict = {}
-# activations a thread's cp.async copies: 8 (16 bytes, which the compiler issues as cp.async.cg: L2
-# only) or 4 (8 bytes, cp.async.ca: through L1, where the other programs on the SM find them)
-X_COPY_VEC = 8
-# scale bytes a thread's cp.async copies (4, or 8: one row's bytes of a 128-wide K step)
-S_COPY_VEC = 4
 
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
@@ -374,9 +369,9 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if k_split % bk or bn % (16 * warps) or bm < m:
         raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
     x2, sbits = aligned_operands(x2, sbits)
-    key = (bn, bm, bk, warps, X_COPY_VEC, S_COPY_VEC)
+    key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _layouts(bn, bm, bk, warps, X_COPY_VEC, S_COPY_VEC)
+        _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
     wl, sl, xl, sc, xc = _LAYOUTS[key]
     splits = triton.cdiv(k, k_split)
     target = split_workspace(splits, y)
