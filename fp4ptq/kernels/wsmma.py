@@ -1,0 +1,220 @@
+"""Small-M NVFP4 GEMM (M <= 16) with one-warp consumers: mma.py's decode and
+``mma.sync`` tiles, fed by TMA from a loader warp through mbarrier rings,
+written in Gluon. sm_90 only; bf16 or fp16 activations, K % 256 == 0.
+Experimental (session 13): not in the dispatch until measured.
+
+Why: mma.py's programs are 4 warps that read one cp.async ring; every K step
+ends in a CTA-wide barrier, so each warp waits for the slowest one, and at
+128 registers an SM holds 16 warps (results/ncu_mma_70b_gate_up_m16_*_s13.txt:
+about one eligible warp a scheduler, DRAM 43%). Here a program is one loader
+warp and ``CONS`` consumer warps, each consumer its own warp-specialized
+partition: the barriers the compiler places in a partition span that
+partition only (one warp), and the consumers meet the loader only on the
+rings' mbarriers, so a warp waits only when the data of its step has not
+landed or it runs a whole ring ahead of the slowest one.
+
+* The loader issues, per K step, one TMA copy of the activation tile
+  ``[BM, BK]`` (rows past M read as zeros) and one of the code words of all
+  the program's rows ``[32 CONS, BK/8]`` into ring slot ``i % STAGES``; per two
+  steps one copy of their scale bytes ``[32 CONS, 16]``. It refills a slot
+  when all ``CONS`` consumers have released it.
+* Consumer ``p`` reads its 32 rows' words and scale bytes and the whole
+  activation tile in mma.py's layouts (one warp), releases the slot, decodes
+  with mma.py's ``_operands`` and accumulates with ``mma.sync`` in fp32; it
+  writes its own rows at the end (``mma.store_output``).
+
+Numerics are mma.py's: the same decode and products, the same K steps in
+the same order, so the outputs equal mma.py's bit for bit at the same K split.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from .mma import _layouts, _operands, aligned_operands, store_output
+from .wsgemm import _tma_load
+
+ROWS = gl.constexpr(32)  # weight rows a consumer warp (two m16 MMA tiles)
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0, steps,
+            CONS: gl.constexpr):
+    STAGES: gl.constexpr = x_ring.type.shape[0]
+    BK: gl.constexpr = x_ring.type.shape[2]
+    SLOTS: gl.constexpr = w_ring.type.shape[0] // STAGES
+    for i in range(steps):
+        s = i % STAGES
+        if i % 2 == 0:  # the scale bytes of steps i and i + 1 (16 bytes a row)
+            g = i // 2
+            mbarrier.wait(s_empty.index(g % 2), ((g // 2) & 1) ^ 1)  # fresh barriers count as phase 1 completed
+            mbarrier.expect(s_ready.index(g % 2), CONS * s_desc.block_type.nbytes)
+            for p in gl.static_range(CONS):
+                _tma_load(s_desc, [off_n + ROWS * p, (k0 + i) * (BK // 16)], s_ready.index(g % 2),
+                          s_ring.index((g % 2) * SLOTS + p))
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + CONS * w_desc.block_type.nbytes)
+        _tma_load(x_desc, [0, (k0 + i) * BK], ready.index(s), x_ring.index(s))
+        for p in gl.static_range(CONS):
+            _tma_load(w_desc, [off_n + ROWS * p, (k0 + i) * (BK // 8)], ready.index(s), w_ring.index(s * SLOTS + p))
+
+
+@gluon.jit
+def _consumer(x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+              M, N, stride_ym, off_n, pid_k, steps, P: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+              XL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr):
+    STAGES: gl.constexpr = x_ring.type.shape[0]
+    BM: gl.constexpr = x_ring.type.shape[1]
+    BK: gl.constexpr = x_ring.type.shape[2]
+    SLOTS: gl.constexpr = w_ring.type.shape[0] // STAGES
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
+    for i in range(steps):
+        s = i % STAGES
+        g = i // 2
+        if i % 2 == 0:
+            mbarrier.wait(s_ready.index(g % 2), (g // 2) & 1)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        wp = w_ring.index(s * SLOTS + P).load(WL)
+        srow = s_ring.index((g % 2) * SLOTS + P)
+        if i % 2 == 0:
+            sb = srow.slice(0, BK // 16, dim=1).load(SL)
+        else:
+            sb = srow.slice(BK // 16, BK // 16, dim=1).load(SL)
+        xp = x_ring.index(s).permute((1, 0)).load(XL)
+        mbarrier.arrive(empty.index(s))
+        if (i % 2 == 1) | (i == steps - 1):
+            mbarrier.arrive(s_empty.index(g % 2))
+        a, b = _operands(wp, sb, xp, a_l, b_l, ROWS, BM, BK)
+        acc = mma_v2(a, b, acc)
+    no = off_n + ROWS * P + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
+                 HAS_BIAS, HAS_XENC, SPLIT)
+
+
+@gluon.jit
+def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, K_STEPS,
+                  SPLIT_STEPS, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr,
+                  STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, CONS: gl.constexpr,
+                  WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr):
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    off_n = pid_n * (ROWS * CONS)
+    k0 = pid_k * SPLIT_STEPS
+    steps = gl.minimum(SPLIT_STEPS, K_STEPS - k0)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    SLOTS: gl.constexpr = 16  # (shared-memory shapes are powers of 2)
+    # slot s * SLOTS + p: ring stage s of consumer p
+    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * SLOTS, ROWS, BK // 8], w_desc.layout)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [2 * SLOTS, ROWS, BK // 8], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    s_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    s_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONS)
+    for i in gl.static_range(2):
+        mbarrier.init(s_ready.index(i), count=1)
+        mbarrier.init(s_empty.index(i), count=CONS)
+    fence_async_shared()
+    gl.static_assert(CONS == 12, "12 consumer warps")
+    # (Gluon takes the partitions as one literal list: tuples of functions cannot be named). The default
+    # partition (4 warps: the least a warp-specialized kernel has) is the loader.
+    gl.warp_specialize([
+        (_loader, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0, steps,
+                   CONS)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 4, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 5, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 6, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 7, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 8, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 9, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 10, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
+                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 11, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
+    ], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
+
+
+REGS = gl.constexpr(128)
+MAX_M = 16
+
+
+def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
+    """(consumer warps, ring stages, K steps a program): 12 consumers (384 rows) and the 4-warp loader
+    partition are 16 warps, one program an SM at 128 registers; K is cut into ranges of whole steps
+    for about four programs an SM (at least 8 steps a range)."""
+    cons, stages, bk = 12, 4, 128
+    tiles = triton.cdiv(n, ROWS.value * cons)
+    steps = k // bk
+    per = max(8, triton.cdiv(steps, max(1, round(4 * sms / tiles))))
+    return cons, stages, min(steps, per)
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    return 0 < m <= MAX_M and n > 0 and k % 256 == 0
+
+
+def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+           x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+           cfg: Optional[tuple] = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W^T`` as ``mma.matmul`` (M <= 16, K % 256 == 0)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gemm import _sm_count, split_workspace, sum_splits
+
+    m, k = x2.shape
+    n = words.shape[0]
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the wsmma path takes bf16 or fp16 activations, got {x2.dtype}")
+    if not supports(m, n, k):
+        raise ValueError(f"the wsmma path takes M <= {MAX_M} and K % 256 == 0, got M={m}, K={k}")
+    cons, stages, split_steps = cfg or config(m, n, k, _sm_count(x2.device))
+    bm, bk = 16, 128
+    x2, sbits = aligned_operands(x2, sbits)
+    if words.stride(1) != 1 or (words.stride(0) * 4) % 16:
+        words = words.contiguous()
+    if sbits.stride(1) != 1 or sbits.stride(0) % 16:
+        sbits = sbits.contiguous()
+    rows = ROWS.value * cons
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout(0, 16, 2))
+    w_desc = TensorDescriptor.from_tensor(words, [ROWS.value, bk // 8], gl.NVMMASharedLayout(0, 32, 2))
+    s_desc = TensorDescriptor.from_tensor(sbits, [ROWS.value, bk // 8], gl.NVMMASharedLayout(0, 8, 2))
+    wl, sl, xl, _, _ = _LAYOUTS.get(bk) or _LAYOUTS.setdefault(bk, _layouts(ROWS.value, bm, bk, 1))
+    splits = triton.cdiv(k // bk, split_steps)
+    target = split_workspace(splits, y)
+    has_bias = bias is not None
+    _wsmma_kernel[(triton.cdiv(n, rows), splits)](
+        x_desc, w_desc, s_desc, x2, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc,
+        target, m, n, y.stride(0), k // bk, split_steps,
+        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=stages, BM=bm, BK=bk, CONS=cons,
+        WL=wl, SL=sl, XL=xl, num_warps=4,
+    )
+    return sum_splits(target, y, bias)
+
+
+_LAYOUTS: dict = {}
