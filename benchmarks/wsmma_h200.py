@@ -53,7 +53,7 @@ for m, n, k, dt, bias in ((16, 1000, 4096, torch.bfloat16, False), (3, 6144, 409
         torch.cuda.synchronize()
         row["rel_ref"] = rel(got, ref)
         same = mma.matmul(x, words, sbits, enc, None, b, torch.full((m, n), float("nan"), device=dev, dtype=dt),
-                          (128, 16, 128, 4, cfg[2] * 128, 3))
+                          (128, 16, 64, 4, cfg[2] * 64, 3))
         row["equal_mma_same_split"] = bool(torch.equal(got, same))
         row["rel_mma"] = rel(got, same)
     except Exception as exc:  # noqa: BLE001 - record and go on
@@ -72,7 +72,7 @@ for M in MS:
         ref = x.float() @ wq.dequantize(torch.float32).T
         y = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
         cons, stages, per = wsmma.config(M, n, k, sms)
-        steps, tiles = k // 128, -(-n // (32 * cons))
+        steps, tiles = k // 64, -(-n // (32 * cons))
         cfgs = {"default": (cons, stages, per), "stages3": (cons, 3, per)}
         for waves in (1, 2, 8):  # K ranges for about this many programs an SM
             p = max(4, -(-steps // max(1, round(waves * sms / tiles))))

@@ -49,10 +49,11 @@ def _loader(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_read
     STAGES: gl.constexpr = x_ring.type.shape[0]
     BK: gl.constexpr = x_ring.type.shape[2]
     SLOTS: gl.constexpr = w_ring.type.shape[0] // STAGES
+    G: gl.constexpr = 256 // BK  # K steps a scale group covers
     for i in range(steps):
         s = i % STAGES
-        if i % 2 == 0:  # the scale bytes of steps i and i + 1 (16 bytes a row)
-            g = i // 2
+        if i % G == 0:  # the scale bytes of steps i .. i + G - 1 (16 bytes a row)
+            g = i // G
             mbarrier.wait(s_empty.index(g % 2), ((g // 2) & 1) ^ 1)  # fresh barriers count as phase 1 completed
             mbarrier.expect(s_ready.index(g % 2), CONS * s_desc.block_type.nbytes)
             for p in gl.static_range(CONS):
@@ -76,22 +77,34 @@ def _consumer(x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wen
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    G: gl.constexpr = 256 // BK  # K steps a scale group covers
     acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
     for i in range(steps):
         s = i % STAGES
-        g = i // 2
-        if i % 2 == 0:
+        g = i // G
+        j = i % G
+        if j == 0:
             mbarrier.wait(s_ready.index(g % 2), (g // 2) & 1)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         wp = w_ring.index(s * SLOTS + P).load(WL)
         srow = s_ring.index((g % 2) * SLOTS + P)
-        if i % 2 == 0:
-            sb = srow.slice(0, BK // 16, dim=1).load(SL)
+        if G == 2:
+            if j == 0:
+                sb = srow.slice(0, BK // 16, dim=1).load(SL)
+            else:
+                sb = srow.slice(BK // 16, BK // 16, dim=1).load(SL)
         else:
-            sb = srow.slice(BK // 16, BK // 16, dim=1).load(SL)
+            if j == 0:
+                sb = srow.slice(0, 4, dim=1).load(SL)
+            elif j == 1:
+                sb = srow.slice(4, 4, dim=1).load(SL)
+            elif j == 2:
+                sb = srow.slice(8, 4, dim=1).load(SL)
+            else:
+                sb = srow.slice(12, 4, dim=1).load(SL)
         xp = x_ring.index(s).permute((1, 0)).load(XL)
         mbarrier.arrive(empty.index(s))
-        if (i % 2 == 1) | (i == steps - 1):
+        if (j == G - 1) | (i == steps - 1):
             mbarrier.arrive(s_empty.index(g % 2))
         a, b = _operands(wp, sb, xp, a_l, b_l, ROWS, BM, BK)
         acc = mma_v2(a, b, acc)
@@ -115,7 +128,7 @@ def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y
     SLOTS: gl.constexpr = 16  # (shared-memory shapes are powers of 2)
     # slot s * SLOTS + p: ring stage s of consumer p
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * SLOTS, ROWS, BK // 8], w_desc.layout)
-    s_ring = gl.allocate_shared_memory(gl.uint8, [2 * SLOTS, ROWS, BK // 8], s_desc.layout)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [2 * SLOTS, ROWS, 16], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     s_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -168,7 +181,7 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """(consumer warps, ring stages, K steps a program): 12 consumers (384 rows) and the 4-warp loader
     partition are 16 warps, one program an SM at 128 registers; K is cut into ranges of whole steps
     for about four programs an SM (at least 8 steps a range)."""
-    cons, stages, bk = 12, 4, 128
+    cons, stages, bk = 12, 8, 64
     tiles = triton.cdiv(n, ROWS.value * cons)
     steps = k // bk
     per = max(8, triton.cdiv(steps, max(1, round(4 * sms / tiles))))
@@ -194,16 +207,21 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if not supports(m, n, k):
         raise ValueError(f"the wsmma path takes M <= {MAX_M} and K % 256 == 0, got M={m}, K={k}")
     cons, stages, split_steps = cfg or config(m, n, k, _sm_count(x2.device))
-    bm, bk = 16, 128
+    bm, bk = 16, 64
     x2, sbits = aligned_operands(x2, sbits)
     if words.stride(1) != 1 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
     if sbits.stride(1) != 1 or sbits.stride(0) % 16:
         sbits = sbits.contiguous()
     rows = ROWS.value * cons
-    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout(0, 16, 2))
-    w_desc = TensorDescriptor.from_tensor(words, [ROWS.value, bk // 8], gl.NVMMASharedLayout(0, 32, 2))
-    s_desc = TensorDescriptor.from_tensor(sbits, [ROWS.value, bk // 8], gl.NVMMASharedLayout(0, 8, 2))
+    # the default NVMMA layouts (a swizzle as wide as a row, up to 128 bytes): with no swizzle, Triton
+    # reads an NVMMA tile wider than 16 bytes as 8 x 16-byte core matrices, not as the rows TMA writes
+    gdt = gl.float16 if x2.dtype == torch.float16 else gl.bfloat16
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    w_desc = TensorDescriptor.from_tensor(words, [ROWS.value, bk // 8],
+                                          gl.NVMMASharedLayout.get_default_for([ROWS.value, bk // 8], gl.int32))
+    s_desc = TensorDescriptor.from_tensor(sbits, [ROWS.value, 16],
+                                          gl.NVMMASharedLayout.get_default_for([ROWS.value, 16], gl.uint8))
     wl, sl, xl, _, _ = _LAYOUTS.get(bk) or _LAYOUTS.setdefault(bk, _layouts(ROWS.value, bm, bk, 1))
     splits = triton.cdiv(k // bk, split_steps)
     target = split_workspace(splits, y)
