@@ -51,6 +51,7 @@ for m, n, k, dt, bias in ((16, 1000, 4096, torch.bfloat16, False), (3, 6144, 409
         row["cfg"] = cfg
         got = wsmma.matmul(x, words, sbits, enc, None, b, torch.full((m, n), float("nan"), device=dev, dtype=dt))
         torch.cuda.synchronize()
+        row["ran"] = True
         row["rel_ref"] = rel(got, ref)
         same = mma.matmul(x, words, sbits, enc, None, b, torch.full((m, n), float("nan"), device=dev, dtype=dt),
                           (128, 16, 64, 4, cfg[2] * 64, 3))
@@ -76,7 +77,8 @@ for M in MS:
         cfgs = {"default": (cons, stages, per), "stages3": (cons, 3, per)}
         for waves in (1, 2, 8):  # K ranges for about this many programs an SM
             p = max(4, -(-steps // max(1, round(waves * sms / tiles))))
-            cfgs.setdefault(f"ranges_{min(steps, p)}", (cons, stages, min(steps, p)))
+            p = min(steps, -(-p // 4) * 4)
+            cfgs.setdefault(f"ranges_{p}", (cons, stages, p))
         fns = {"cublas_bf16": (lambda wb=wq.dequantize(torch.bfloat16): x @ wb.t()),
                "mma": lambda: mma.matmul(x, words, sbits, enc, None, None, y)}
         row = {"layer": name, "m": M, "cfgs": cfgs, "rel_ref": {}, "errors": {}}

@@ -185,7 +185,7 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     tiles = triton.cdiv(n, ROWS.value * cons)
     steps = k // bk
     per = max(8, triton.cdiv(steps, max(1, round(4 * sms / tiles))))
-    return cons, stages, min(steps, per)
+    return cons, stages, min(steps, triton.cdiv(per, 4) * 4)  # whole scale groups (256 K)
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -195,7 +195,8 @@ def supports(m: int, n: int, k: int) -> bool:
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
            cfg: Optional[tuple] = None) -> torch.Tensor:
-    """``y [M, N] = x2 [M, K] @ W^T`` as ``mma.matmul`` (M <= 16, K % 256 == 0)."""
+    """``y [M, N] = x2 [M, K] @ W^T`` as ``mma.matmul`` (M <= 16, K % 256 == 0). ``cfg``: (consumer
+    warps, ring stages, K steps of 64 a program, a multiple of 4: whole scale groups)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gemm import _sm_count, split_workspace, sum_splits
@@ -207,6 +208,8 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if not supports(m, n, k):
         raise ValueError(f"the wsmma path takes M <= {MAX_M} and K % 256 == 0, got M={m}, K={k}")
     cons, stages, split_steps = cfg or config(m, n, k, _sm_count(x2.device))
+    if split_steps % 4 or cons != 12:
+        raise ValueError(f"wsmma: config {(cons, stages, split_steps)}: 12 consumers, K ranges of whole scale groups")
     bm, bk = 16, 64
     x2, sbits = aligned_operands(x2, sbits)
     if words.stride(1) != 1 or (words.stride(0) * 4) % 16:
