@@ -19,7 +19,7 @@ from fp4ptq.kernels import mma, wsmma
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(5)
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
-MS = [int(v) for v in os.environ.get("MS", "16,4").split(",")]
+MS = [int(v) for v in os.environ.get("MS", "16").split(",")]
 LAYERS = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
           "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672)}
 assert mma.ready(dev) is None
@@ -74,8 +74,13 @@ for M in MS:
         y = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
         cons, stages, per = wsmma.config(M, n, k, sms)
         steps, tiles = k // 64, -(-n // (32 * cons))
-        cfgs = {"default": (cons, stages, per), "stages3": (cons, 3, per)}
-        for waves in (1, 2, 8):  # K ranges for about this many programs an SM
+        cfgs = {"default": (cons, stages, per)}
+        t4 = -(-n // 128)
+        for waves in (2, 4, 8):  # 4 consumers, two programs an SM: K ranges for about this many programs an SM
+            p = max(4, -(-steps // max(1, round(waves * sms / t4))))
+            p = min(steps, -(-p // 4) * 4)
+            cfgs.setdefault(f"c4_ranges_{p}", (4, stages, p))
+        for waves in ():  # K ranges for about this many programs an SM
             p = max(4, -(-steps // max(1, round(waves * sms / tiles))))
             p = min(steps, -(-p // 4) * 4)
             cfgs.setdefault(f"ranges_{p}", (cons, stages, p))

@@ -125,7 +125,7 @@ def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y
     k0 = pid_k * SPLIT_STEPS
     steps = gl.minimum(SPLIT_STEPS, K_STEPS - k0)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    SLOTS: gl.constexpr = 16  # (shared-memory shapes are powers of 2)
+    SLOTS: gl.constexpr = 16 if CONS > 8 else (8 if CONS > 4 else 4)  # (shared-memory shapes are powers of 2)
     # slot s * SLOTS + p: ring stage s of consumer p
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * SLOTS, ROWS, BK // 8], w_desc.layout)
     s_ring = gl.allocate_shared_memory(gl.uint8, [2 * SLOTS, ROWS, 16], s_desc.layout)
@@ -140,37 +140,67 @@ def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y
         mbarrier.init(s_ready.index(i), count=1)
         mbarrier.init(s_empty.index(i), count=CONS)
     fence_async_shared()
-    gl.static_assert(CONS == 12, "12 consumer warps")
     # (Gluon takes the partitions as one literal list: tuples of functions cannot be named). The default
     # partition (4 warps: the least a warp-specialized kernel has) is the loader.
-    gl.warp_specialize([
-        (_loader, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0, steps,
-                   CONS)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 4, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 5, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 6, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 7, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 8, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 9, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 10, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-        (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr,
-                     y_ptr, M, N, stride_ym, off_n, pid_k, steps, 11, WL, SL, XL, HAS_BIAS, HAS_XENC, SPLIT)),
-    ], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
+    if CONS == 12:
+        gl.warp_specialize([
+            (_loader, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0,
+                       steps, CONS)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 4, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 5, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 6, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 7, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 8, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 9, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 10, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 11, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+        ], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
+    else:
+        gl.static_assert(CONS == 4, "4 or 12 consumer warps")
+        gl.warp_specialize([
+            (_loader, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0,
+                       steps, CONS)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+            (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
+                         bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC,
+                         SPLIT)),
+        ], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
 
 
 REGS = gl.constexpr(128)
@@ -208,8 +238,8 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if not supports(m, n, k):
         raise ValueError(f"the wsmma path takes M <= {MAX_M} and K % 256 == 0, got M={m}, K={k}")
     cons, stages, split_steps = cfg or config(m, n, k, _sm_count(x2.device))
-    if split_steps % 4 or cons != 12:
-        raise ValueError(f"wsmma: config {(cons, stages, split_steps)}: 12 consumers, K ranges of whole scale groups")
+    if split_steps % 4 or cons not in (4, 12):
+        raise ValueError(f"wsmma: config {(cons, stages, split_steps)}: 4 or 12 consumers, K ranges of whole scale groups")
     bm, bk = 16, 64
     x2, sbits = aligned_operands(x2, sbits)
     if words.stride(1) != 1 or (words.stride(0) * 4) % 16:
@@ -233,7 +263,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         x_desc, w_desc, s_desc, x2, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc,
         target, m, n, y.stride(0), k // bk, split_steps,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=stages, BM=bm, BK=bk, CONS=cons,
-        WL=wl, SL=sl, XL=xl, num_warps=4,
+        WL=wl, SL=sl, XL=xl, num_warps=4, maxnreg=128,
     )
     return sum_splits(target, y, bias)
 
