@@ -72,18 +72,14 @@ for M in MS:
         x = torch.randn(M, k, device=dev, generator=g).bfloat16()
         ref = x.float() @ wq.dequantize(torch.float32).T
         y = torch.empty(M, n, device=dev, dtype=torch.bfloat16)
-        cons, stages, per = wsmma.config(M, n, k, sms)
-        steps, tiles = k // 64, -(-n // (32 * cons))
-        cfgs = {"default": (cons, stages, per)}
+        cons, stages, per, regs = wsmma.config(M, n, k, sms)
+        steps = k // 64
+        cfgs = {"default": (cons, stages, per, regs)}
         t4 = -(-n // 128)
-        for waves in (2, 4, 8):  # 4 consumers, two programs an SM: K ranges for about this many programs an SM
+        for waves, cap in ((3, 80), (6, 80), (2, 128)):  # K ranges for about this many programs an SM
             p = max(4, -(-steps // max(1, round(waves * sms / t4))))
             p = min(steps, -(-p // 4) * 4)
-            cfgs.setdefault(f"c4_ranges_{p}", (4, stages, p))
-        for waves in ():  # K ranges for about this many programs an SM
-            p = max(4, -(-steps // max(1, round(waves * sms / tiles))))
-            p = min(steps, -(-p // 4) * 4)
-            cfgs.setdefault(f"ranges_{p}", (cons, stages, p))
+            cfgs.setdefault(f"c4_r{cap}_ranges_{p}", (4, stages, p, cap))
         fns = {"cublas_bf16": (lambda wb=wq.dequantize(torch.bfloat16): x @ wb.t()),
                "mma": lambda: mma.matmul(x, words, sbits, enc, None, None, y)}
         row = {"layer": name, "m": M, "cfgs": cfgs, "rel_ref": {}, "errors": {}}

@@ -211,11 +211,13 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """(consumer warps, ring stages, K steps a program): 12 consumers (384 rows) and the 4-warp loader
     partition are 16 warps, one program an SM at 128 registers; K is cut into ranges of whole steps
     for about four programs an SM (at least 8 steps a range)."""
-    cons, stages, bk = 12, 8, 64
+    cons, stages, bk = 4, 8, 64
     tiles = triton.cdiv(n, ROWS.value * cons)
     steps = k // bk
-    per = max(8, triton.cdiv(steps, max(1, round(4 * sms / tiles))))
-    return cons, stages, min(steps, triton.cdiv(per, 4) * 4)  # whole scale groups (256 K)
+    per = max(8, triton.cdiv(steps, max(1, round(3 * sms / tiles))))
+    # 80 registers at launch: the loader warpgroup gives its registers up (setmaxnreg) to the consumers'
+    # 128, three programs an SM
+    return cons, stages, min(steps, triton.cdiv(per, 4) * 4), 80  # whole scale groups (256 K)
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -237,7 +239,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         raise TypeError(f"the wsmma path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
         raise ValueError(f"the wsmma path takes M <= {MAX_M} and K % 256 == 0, got M={m}, K={k}")
-    cons, stages, split_steps = cfg or config(m, n, k, _sm_count(x2.device))
+    cons, stages, split_steps, maxnreg = cfg or config(m, n, k, _sm_count(x2.device))
     if split_steps % 4 or cons not in (4, 12):
         raise ValueError(f"wsmma: config {(cons, stages, split_steps)}: 4 or 12 consumers, K ranges of whole scale groups")
     bm, bk = 16, 64
@@ -263,7 +265,7 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         x_desc, w_desc, s_desc, x2, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc,
         target, m, n, y.stride(0), k // bk, split_steps,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=stages, BM=bm, BK=bk, CONS=cons,
-        WL=wl, SL=sl, XL=xl, num_warps=4, maxnreg=128,
+        WL=wl, SL=sl, XL=xl, num_warps=4, maxnreg=maxnreg,
     )
     return sum_splits(target, y, bias)
 
