@@ -76,18 +76,26 @@ for M in MS:
         steps = k // 64
         cfgs = {"default": (cons, stages, per, regs)}
         t4 = -(-n // 128)
-        for waves, cap in ((3, 80), (6, 80), (2, 128)):  # K ranges for about this many programs an SM
+        for waves in (3, 6):  # K ranges for about this many programs an SM
             p = max(4, -(-steps // max(1, round(waves * sms / t4))))
             p = min(steps, -(-p // 4) * 4)
-            cfgs.setdefault(f"c4_r{cap}_ranges_{p}", (4, stages, p, cap))
+            cfgs.setdefault(f"ranges_{p}", (4, stages, p, regs))
         fns = {"cublas_bf16": (lambda wb=wq.dequantize(torch.bfloat16): x @ wb.t()),
                "mma": lambda: mma.matmul(x, words, sbits, enc, None, None, y)}
         row = {"layer": name, "m": M, "cfgs": cfgs, "rel_ref": {}, "errors": {}}
-        for label, cfg in cfgs.items():
+        def call(c, out_y, mul=True):
+            wsmma.MUL_DECODE = mul
             try:
-                got = wsmma.matmul(x, words, sbits, enc, None, None, torch.full_like(y, float("nan")), cfg)
+                return wsmma.matmul(x, words, sbits, enc, None, None, out_y, c)
+            finally:
+                wsmma.MUL_DECODE = True
+
+        for label, cfg in list(cfgs.items()) + [("default_shift_decode", cfgs["default"])]:
+            mul = "shift" not in label
+            try:
+                got = call(cfg, torch.full_like(y, float("nan")), mul)
                 row["rel_ref"][label] = rel(got, ref)
-                fns[label] = (lambda c=cfg: wsmma.matmul(x, words, sbits, enc, None, None, y, c))
+                fns[label] = (lambda c=cfg, u=mul: call(c, y, u))
             except Exception as exc:  # noqa: BLE001
                 row["errors"][label] = repr(exc)[:300]
         times = {}

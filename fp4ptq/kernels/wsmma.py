@@ -46,67 +46,75 @@ ROWS = gl.constexpr(32)  # weight rows a consumer warp (two m16 MMA tiles)
 @gluon.jit
 def _loader(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, off_n, k0, steps,
             CONS: gl.constexpr):
-    STAGES: gl.constexpr = x_ring.type.shape[0]
+    """Ring slot ``i % STAGES`` holds K steps ``2i`` and ``2i + 1`` (one mbarrier wait and arrival a
+    pair on each side); scale group ``g`` (16 bytes a row) covers steps ``4g .. 4g + 3``."""
+    STAGES: gl.constexpr = ready.type.shape[0]
     BK: gl.constexpr = x_ring.type.shape[2]
-    SLOTS: gl.constexpr = w_ring.type.shape[0] // STAGES
-    G: gl.constexpr = 256 // BK  # K steps a scale group covers
-    for i in range(steps):
+    SLOTS: gl.constexpr = w_ring.type.shape[0] // (2 * STAGES)
+    for i in range(steps // 2):
         s = i % STAGES
-        if i % G == 0:  # the scale bytes of steps i .. i + G - 1 (16 bytes a row)
-            g = i // G
+        if i % 2 == 0:
+            g = i // 2
             mbarrier.wait(s_empty.index(g % 2), ((g // 2) & 1) ^ 1)  # fresh barriers count as phase 1 completed
             mbarrier.expect(s_ready.index(g % 2), CONS * s_desc.block_type.nbytes)
             for p in gl.static_range(CONS):
-                _tma_load(s_desc, [off_n + ROWS * p, (k0 + i) * (BK // 16)], s_ready.index(g % 2),
+                _tma_load(s_desc, [off_n + ROWS * p, (k0 + 2 * i) * (BK // 16)], s_ready.index(g % 2),
                           s_ring.index((g % 2) * SLOTS + p))
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + CONS * w_desc.block_type.nbytes)
-        _tma_load(x_desc, [0, (k0 + i) * BK], ready.index(s), x_ring.index(s))
-        for p in gl.static_range(CONS):
-            _tma_load(w_desc, [off_n + ROWS * p, (k0 + i) * (BK // 8)], ready.index(s), w_ring.index(s * SLOTS + p))
+        mbarrier.expect(ready.index(s), 2 * (x_desc.block_type.nbytes + CONS * w_desc.block_type.nbytes))
+        for u in gl.static_range(2):
+            _tma_load(x_desc, [0, (k0 + 2 * i + u) * BK], ready.index(s), x_ring.index(2 * s + u))
+            for p in gl.static_range(CONS):
+                _tma_load(w_desc, [off_n + ROWS * p, (k0 + 2 * i + u) * (BK // 8)], ready.index(s),
+                          w_ring.index((2 * s + u) * SLOTS + p))
+
+
+@gluon.jit
+def _scale_step(srow, j, BK: gl.constexpr, SL: gl.constexpr):
+    """Step ``j`` (0..3) of a scale group's bytes ``[ROWS, 16]``."""
+    if j == 0:
+        sb = srow.slice(0, BK // 16, dim=1).load(SL)
+    elif j == 1:
+        sb = srow.slice(BK // 16, BK // 16, dim=1).load(SL)
+    elif j == 2:
+        sb = srow.slice(2 * (BK // 16), BK // 16, dim=1).load(SL)
+    else:
+        sb = srow.slice(3 * (BK // 16), BK // 16, dim=1).load(SL)
+    return sb
 
 
 @gluon.jit
 def _consumer(x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
               M, N, stride_ym, off_n, pid_k, steps, P: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
-              XL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr):
-    STAGES: gl.constexpr = x_ring.type.shape[0]
+              XL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr,
+              MUL: gl.constexpr):
+    STAGES: gl.constexpr = ready.type.shape[0]
     BM: gl.constexpr = x_ring.type.shape[1]
     BK: gl.constexpr = x_ring.type.shape[2]
-    SLOTS: gl.constexpr = w_ring.type.shape[0] // STAGES
+    SLOTS: gl.constexpr = w_ring.type.shape[0] // (2 * STAGES)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    G: gl.constexpr = 256 // BK  # K steps a scale group covers
     acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
-    for i in range(steps):
+    for i in range(steps // 2):
         s = i % STAGES
-        g = i // G
-        j = i % G
-        if j == 0:
+        g = i // 2
+        if i % 2 == 0:
             mbarrier.wait(s_ready.index(g % 2), (g // 2) & 1)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        wp = w_ring.index(s * SLOTS + P).load(WL)
         srow = s_ring.index((g % 2) * SLOTS + P)
-        if G == 2:
-            if j == 0:
-                sb = srow.slice(0, BK // 16, dim=1).load(SL)
-            else:
-                sb = srow.slice(BK // 16, BK // 16, dim=1).load(SL)
-        else:
-            if j == 0:
-                sb = srow.slice(0, 4, dim=1).load(SL)
-            elif j == 1:
-                sb = srow.slice(4, 4, dim=1).load(SL)
-            elif j == 2:
-                sb = srow.slice(8, 4, dim=1).load(SL)
-            else:
-                sb = srow.slice(12, 4, dim=1).load(SL)
-        xp = x_ring.index(s).permute((1, 0)).load(XL)
+        wp0 = w_ring.index((2 * s) * SLOTS + P).load(WL)
+        wp1 = w_ring.index((2 * s + 1) * SLOTS + P).load(WL)
+        sb0 = _scale_step(srow, 2 * (i % 2), BK, SL)
+        sb1 = _scale_step(srow, 2 * (i % 2) + 1, BK, SL)
+        xp0 = x_ring.index(2 * s).permute((1, 0)).load(XL)
+        xp1 = x_ring.index(2 * s + 1).permute((1, 0)).load(XL)
         mbarrier.arrive(empty.index(s))
-        if (j == G - 1) | (i == steps - 1):
+        if (i % 2 == 1) | (i == steps // 2 - 1):
             mbarrier.arrive(s_empty.index(g % 2))
-        a, b = _operands(wp, sb, xp, a_l, b_l, ROWS, BM, BK)
+        a, b = _operands(wp0, sb0, xp0, a_l, b_l, ROWS, BM, BK, MUL)
+        acc = mma_v2(a, b, acc)
+        a, b = _operands(wp1, sb1, xp1, a_l, b_l, ROWS, BM, BK, MUL)
         acc = mma_v2(a, b, acc)
     no = off_n + ROWS * P + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
@@ -118,16 +126,16 @@ def _consumer(x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wen
 def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, K_STEPS,
                   SPLIT_STEPS, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr,
                   STAGES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, CONS: gl.constexpr,
-                  WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr):
+                  WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, MUL: gl.constexpr):
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     off_n = pid_n * (ROWS * CONS)
     k0 = pid_k * SPLIT_STEPS
     steps = gl.minimum(SPLIT_STEPS, K_STEPS - k0)
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, BM, BK], x_desc.layout)
     SLOTS: gl.constexpr = 16 if CONS > 8 else (8 if CONS > 4 else 4)  # (shared-memory shapes are powers of 2)
     # slot s * SLOTS + p: ring stage s of consumer p
-    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES * SLOTS, ROWS, BK // 8], w_desc.layout)
+    w_ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES * SLOTS, ROWS, BK // 8], w_desc.layout)
     s_ring = gl.allocate_shared_memory(gl.uint8, [2 * SLOTS, ROWS, 16], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -148,40 +156,40 @@ def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y
                        steps, CONS)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 4, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 5, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 6, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 7, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 8, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 9, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 10, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 11, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
         ], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
     else:
         gl.static_assert(CONS == 4, "4 or 12 consumer warps")
@@ -190,16 +198,16 @@ def _wsmma_kernel(x_desc, w_desc, s_desc, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y
                        steps, CONS)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 0, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 1, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 2, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
             (_consumer, (x_ring, w_ring, s_ring, ready, empty, s_ready, s_empty, x_ptr, wenc_ptr, xenc_ptr,
                          bias_ptr, y_ptr, M, N, stride_ym, off_n, pid_k, steps, 3, WL, SL, XL, HAS_BIAS, HAS_XENC,
-                         SPLIT)),
+                         SPLIT, MUL)),
         ], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
 
 
@@ -211,7 +219,7 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """(consumer warps, ring stages, K steps a program): 12 consumers (384 rows) and the 4-warp loader
     partition are 16 warps, one program an SM at 128 registers; K is cut into ranges of whole steps
     for about four programs an SM (at least 8 steps a range)."""
-    cons, stages, bk = 4, 8, 64
+    cons, stages, bk = 4, 4, 64  # stages: ring slots of two K steps
     tiles = triton.cdiv(n, ROWS.value * cons)
     steps = k // bk
     per = max(8, triton.cdiv(steps, max(1, round(3 * sms / tiles))))
@@ -265,9 +273,10 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
         x_desc, w_desc, s_desc, x2, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc,
         target, m, n, y.stride(0), k // bk, split_steps,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=stages, BM=bm, BK=bk, CONS=cons,
-        WL=wl, SL=sl, XL=xl, num_warps=4, maxnreg=maxnreg,
+        WL=wl, SL=sl, XL=xl, MUL=MUL_DECODE, num_warps=4, maxnreg=maxnreg,
     )
     return sum_splits(target, y, bias)
 
 
 _LAYOUTS: dict = {}
+MUL_DECODE = True  # bf16: the three-operation multiply decode (mma.py's _DECODE_MUL)
