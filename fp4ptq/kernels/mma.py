@@ -86,21 +86,6 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
 
 
 _DECODE = gl.constexpr(_decode_asm())
-
-
-def _decode_mul_asm() -> str:
-    """The bf16 decode in three operations a register (gemm.py's multiply decode): the two codes of
-    register p isolated, one multiply makes two copies of each (magnitude to bits 6-8, sign to 15,
-    the fields never overlap), a mask keeps them; codes 2, 3 are codes 0, 1 of the word >> 8."""
-    lines = []
-    for p, (src, q) in enumerate((("$4", 0), ("$4", 1), ("b", 0), ("b", 1))):
-        lines.append(f"and.b32 a, {src}, {0x000F000F << (4 * q):#010x}; "
-                     f"mul.lo.u32 a, a, {(1 << (6 - 4 * q)) + (1 << (12 - 4 * q)):#x}; "
-                     f"and.b32 a, a, {MAG_MASK | SIGN_MASK:#010x}; mul.rn.bf16x2 ${p}, a, $12;")
-    return "\n".join(["{", ".reg .b32 a, b;", "shr.u32 b, $4, 8;", *lines, "}"])
-
-
-_DECODE_MUL = gl.constexpr(_decode_mul_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 # 8 activations (k .. k+7 as four bf16x2: $4 = (x0, x1) .. $7 = (x6, x7)) -> the decode's pairs
@@ -182,7 +167,7 @@ def _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off):
 
 @gluon.jit
 def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-              BK: gl.constexpr, MUL: gl.constexpr = False):
+              BK: gl.constexpr):
     """One step's loads -> the MMA's A (decoded, scaled weight ``[BN, BK]``) and
     B (activations ``[BK, BM]``), both in K order ``32 s + 8 c + j`` with the
     pairs of every 8 as (0, 4), (1, 5), (2, 6), (3, 7). No data moves between
@@ -203,8 +188,6 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
     sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
     if xp.dtype == gl.float16:
         a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
-    elif MUL:
-        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     else:
         a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
