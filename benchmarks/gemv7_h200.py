@@ -28,6 +28,7 @@ LAYERS = {"70B.down": (8192, 28672), "8B.down": (4096, 14336), "Qwen2-7B.down": 
           "Llama-2-7B.down": (4096, 11008), "Qwen2-72B.down": (8192, 29568), "70B.gate_up": (57344, 8192),
           "8B.gate_up": (28672, 4096), "8B.qkv": (6144, 4096)}
 LAYERS = {a: b for a, b in LAYERS.items() if a in os.environ.get("ONLY", ",".join(LAYERS)).split(",")}
+SWEEP_ROWS = tuple(int(r) for r in os.environ.get("SWEEP_ROWS", "4,8").split(","))  # rows a tile swept
 T0 = time.time()
 res = {"env": peers.env(), "copy_TBps": peers.copy_bw(), "sweep": [], "final": []}
 shipped = gm._gemv7_config
@@ -55,7 +56,7 @@ for li, (name, (n, k)) in enumerate(LAYERS.items()):
     byt = n * k / 2 + n * k / 16
     fn = lambda: gm.linear_w4a16(x, wq, path="gemv6")  # noqa: E731
     stop = T0 + BUDGET * 0.7 * (li + 1) / len(LAYERS)
-    for rows, warps, kc, pf, per_sm in itertools.product((4, 8), (2, 4, 8), (128, 256, 512), (True, False), (4, 8, 16)):
+    for rows, warps, kc, pf, per_sm in itertools.product(SWEEP_ROWS, (2, 4, 8), (128, 256, 512), (True, False), (4, 8, 16)):
         if kc < 32 * warps or time.time() > stop:
             continue
         cfg = (rows, warps, kc, per_sm, pf)
