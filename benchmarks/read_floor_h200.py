@@ -125,7 +125,7 @@ def main() -> None:
         print("  medians", {a: round(b, 2) for a, b in med.items()}, flush=True)
         with open(os.path.join(out_dir, "read_floor_h200.json"), "w") as f:
             json.dump(res, f, indent=1)
-        del buf, wq, wb
+        cands.clear()  # the closures hold this layer's tensors
         torch.cuda.empty_cache()
     print("total s", round(time.time() - t0, 1))
 
