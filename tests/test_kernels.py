@@ -351,6 +351,36 @@ def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, k
 
 
 @interpreted
+@pytest.mark.parametrize("kernel,cfg,m,n,k", [
+    ("_gemv6_config", (4, 1, 1, 1024, False), 1, 24, 1024),    # one segment, 3 tiles a program
+    ("_gemv6_config", (4, 1, 1, 1024, True), 2, 24, 1024),     # loading ahead past the last tile
+    ("_gemv6_config", (4, 1, 2, 256, True), 1, 16, 768),       # split K, 2 segments a row
+    ("_gemv6_config", (4, 1, 1, 256, False), 1, 8, 272),       # a masked last segment
+    ("_gemv7_config", (4, 1, 16, 1, True), 2, 12, 1040),       # a masked last step, loading ahead
+    ("_gemv7_config", (4, 1, 32, 1, False), 1, 16, 1024),
+])
+def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel, cfg, m, n, k):
+    """gemv6 / gemv7 built with K/16 as a compile-time constant (rows at constant distances, the tile
+    index clamped where the run-time build remaps rows past N) give the bits of the build that takes K
+    at run time, and the launcher picks the constant build only where N is whole row tiles."""
+    _, gm = tk
+    monkeypatch.setattr(gm, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
+    monkeypatch.setattr(gm, kernel, lambda m_, n_, k_: cfg)
+    wq = _weight(n, k, seed=k + n)
+    x = _activations(m, k, torch.bfloat16, seed=k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    got = []
+    for const in (False, True):
+        monkeypatch.setattr(gm, "GEMV_CONST_K", const)
+        assert gm._const_kb(n, k, cfg[0]) == (k // 16 if const else 0)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        got.append(gm.linear_w4a16(x, wq, bias, path="gemv6", out=out))
+    assert _rel(got[1], x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
+    assert torch.equal(got[0], got[1])
+    assert gm._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
+
+
+@interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
 def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypatch, four_six):
     """W4A4 with the activations quantized in the GEMV's prologue gives the same
