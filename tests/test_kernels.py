@@ -366,6 +366,7 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     _, gm = tk
     monkeypatch.setattr(gm, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
     monkeypatch.setattr(gm, kernel, lambda m_, n_, k_: cfg)
+    monkeypatch.setattr(gm, "GEMV6_RUNTIME_K_MAX_N", 0)  # the small test layers take the constant build too
     wq = _weight(n, k, seed=k + n)
     x = _activations(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
@@ -378,6 +379,17 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     assert _rel(got[1], x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
     assert torch.equal(got[0], got[1])
     assert gm._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
+
+
+def test_gemv6_keeps_the_run_time_k_build_where_it_measured_faster(tk):
+    """Narrow single-segment layers whose tiles load nothing ahead (8B qkv / o at M = 1) keep the
+    run-time-K build; split, loading-ahead and wider layers take the constant one."""
+    _, gm = tk
+    assert gm._gemv6_kb_c(6144, 4096, 4, 1, False) == 0 and gm._gemv6_kb_c(4096, 4096, 4, 1, False) == 0
+    assert gm._gemv6_kb_c(28672, 4096, 4, 1, True) == 256        # 8B gate_up: loads ahead
+    assert gm._gemv6_kb_c(10240, 8192, 8, 1, False) == 512       # wider than 8192 rows
+    assert gm._gemv6_kb_c(4096, 14336, 8, 7, False) == 896       # split K
+    assert gm._gemv6_kb_c(6147, 4096, 4, 2, False) == 0          # a partial last tile
 
 
 @interpreted
