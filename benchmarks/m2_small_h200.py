@@ -1,6 +1,7 @@
 """M = 2 (bf16 and fp16) and M = 1 (fp16) on layers of at most 4096 x 4096 weights, where the dispatch
 keeps the GEMV (gemv6 for bf16, gemv4 for fp16): the GEMV against mma.py, 3 interleaved rounds (medians),
-cuBLAS beside, outputs compared with the reference decode.
+cuBLAS beside, outputs compared with the reference decode. ``ONLY`` picks layers (the larger ones listed
+too), ``DTYPES`` bf16 and / or fp16.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/m2_small_h200.py   # $OUT/m2_small_h200.json
 """
@@ -20,11 +21,18 @@ dev = torch.device("cuda")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 SHAPES = {"8B.o": (4096, 4096), "Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.o": (3584, 3584),
           "Gemma-2-9B.o": (3584, 4096), "Phi-3-mini.o": (3072, 3072), "SmolLM2.qkv": (960, 576),
-          "SmolLM2.gate_up": (3072, 576), "SmolLM2.down": (576, 1536), "8B.qkv": (6144, 4096)}
+          "SmolLM2.gate_up": (3072, 576), "SmolLM2.down": (576, 1536), "8B.qkv": (6144, 4096),
+          "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336), "70B.gate_up": (57344, 8192),
+          "70B.down": (8192, 28672), "Qwen2-7B.down": (3584, 18944), "Llama-2-7B.down": (4096, 11008)}
+SHAPES = {a: b for a, b in SHAPES.items() if a in os.environ.get("ONLY", "8B.o,Qwen2-7B.qkv,Qwen2-7B.o,Gemma-2-9B.o,"
+                                                                "Phi-3-mini.o,SmolLM2.qkv,SmolLM2.gate_up,SmolLM2.down,"
+                                                                "8B.qkv").split(",")}
+DTYPES = os.environ.get("DTYPES", "bf16,fp16").split(",")  # bf16: M = 2; fp16: M = 1 and 2
 res = {"env": peers.env(), "rows": []}
 g = torch.Generator(device=dev).manual_seed(0)
 for name, (n, k) in SHAPES.items():
-    for dtype, ms in ((torch.bfloat16, (2,)), (torch.float16, (1, 2))):
+    for dtype, ms in [(d, m) for d, m in ((torch.bfloat16, (2,)), (torch.float16, (1, 2)))
+                      if {torch.bfloat16: "bf16", torch.float16: "fp16"}[d] in DTYPES]:
         w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(dtype)
         wq = nvfp4.quantize(w)
         gemv = "gemv6" if dtype == torch.bfloat16 else "gemv4"

@@ -383,13 +383,14 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
 
 def test_gemv6_keeps_the_run_time_k_build_where_it_measured_faster(tk):
     """Narrow single-segment layers whose tiles load nothing ahead (8B qkv / o at M = 1) keep the
-    run-time-K build; split, loading-ahead and wider layers take the constant one."""
+    run-time-K build; two rows, split, loading-ahead and wider layers take the constant one."""
     _, gm = tk
-    assert gm._gemv6_kb_c(6144, 4096, 4, 1, False) == 0 and gm._gemv6_kb_c(4096, 4096, 4, 1, False) == 0
-    assert gm._gemv6_kb_c(28672, 4096, 4, 1, True) == 256        # 8B gate_up: loads ahead
-    assert gm._gemv6_kb_c(10240, 8192, 8, 1, False) == 512       # wider than 8192 rows
-    assert gm._gemv6_kb_c(4096, 14336, 8, 7, False) == 896       # split K
-    assert gm._gemv6_kb_c(6147, 4096, 4, 2, False) == 0          # a partial last tile
+    assert gm._gemv6_kb_c(1, 6144, 4096, 4, 1, False) == 0 and gm._gemv6_kb_c(1, 4096, 4096, 4, 1, False) == 0
+    assert gm._gemv6_kb_c(2, 6144, 4096, 4, 1, False) == 256     # M = 2
+    assert gm._gemv6_kb_c(1, 28672, 4096, 4, 1, True) == 256     # 8B gate_up: loads ahead
+    assert gm._gemv6_kb_c(1, 10240, 8192, 8, 1, False) == 512    # wider than 8192 rows
+    assert gm._gemv6_kb_c(1, 4096, 14336, 8, 7, False) == 896    # split K
+    assert gm._gemv6_kb_c(1, 6147, 4096, 4, 2, False) == 0       # a partial last tile
 
 
 @interpreted
