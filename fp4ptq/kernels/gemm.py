@@ -1150,6 +1150,12 @@ def _const_kb(n: int, k: int, rows: int) -> int:
     return k // BLOCK_SIZE if GEMV_CONST_K and n % rows == 0 and k % BLOCK_SIZE == 0 else 0
 
 
+def _gemv6_narrow(n: int, k: int) -> bool:
+    """Whether gemv6 runs this layer as narrow single-segment tiles (``_gemv6_config``'s small-layer
+    rule: K one segment, at most 8192 rows, under 64M weights)."""
+    return n * k < 1 << 26 and n <= 8192 and _gemv6_segment(k, 4096) >= k
+
+
 # gemv6's single-segment tiles that load nothing ahead keep the run-time-K build up to this many rows
 GEMV6_RUNTIME_K_MAX_N = 8192
 
@@ -1308,7 +1314,11 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     "mma" also takes M = 2 on layers of 4M weights and more (session-5 H200 runs: bf16 70B.gate_up
     120 us against gemv6's 152, results/mma_h200_m2.json; session 7, results/m2_small_h200.json,
     interleaved: 8B.o 9.2 against gemv6's 10.4 (bf16) and gemv4's 13.4 (fp16), Phi-3-mini o (9.4M)
-    8.3 against 9.5; SmolLM2's 0.6-1.8M-weight layers keep the GEMV) and, for fp16, M = 1 on layers
+    8.3 against 9.5; SmolLM2's 0.6-1.8M-weight layers keep the GEMV), except bf16 on the layers
+    ``_gemv6_narrow`` names, where the constant-K gemv6 came out ahead (session 14,
+    results/m2_constk_h200.json: 8B.o 8.47 against 9.40, 8B.qkv 10.68 / 11.94, Gemma-2-9B o 8.20 /
+    9.15, Qwen2-7B qkv 10.78 / 11.24, Qwen2-7B o 8.87 / 8.99; mma.py still ahead on the split-K,
+    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13), and, for fp16, M = 1 on layers
     of more than 6144 x 4096 (70B.gate_up 126 us
     against gemv4's 146; at 6144 x 4096 gemv4 still wins, 11.1 against 11.9:
     results/gpu_module_check_h200.json)."""
@@ -1328,7 +1338,8 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
         if gemv == "gemv6" and not _block_offsets_fit(n, k):
             gemv = "gemv4"
-        if ((m == 2 and n * k >= 1 << 22) or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
+        m2_mma = m == 2 and n * k >= 1 << 22 and not (gemv == "gemv6" and _gemv6_narrow(n, k))
+        if (m2_mma or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
     if mma_ok():
