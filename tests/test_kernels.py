@@ -381,6 +381,7 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     assert gm._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
 
 
+@interpreted
 def test_gemv6_keeps_the_run_time_k_build_where_it_measured_faster(tk):
     """Narrow single-segment layers whose tiles load nothing ahead (8B qkv / o at M = 1) keep the
     run-time-K build; two rows, split, loading-ahead and wider layers take the constant one."""
