@@ -366,7 +366,7 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     _, gm = tk
     monkeypatch.setattr(gm, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
     monkeypatch.setattr(gm, kernel, lambda m_, n_, k_: cfg)
-    monkeypatch.setattr(gm, "GEMV6_RUNTIME_K_MAX_N", 0)  # the small test layers take the constant build too
+    monkeypatch.setattr(gm, "GEMV6_NARROW_RUNTIME_K", False)  # the small test layers take the constant build too
     wq = _weight(n, k, seed=k + n)
     x = _activations(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()

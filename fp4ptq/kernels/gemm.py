@@ -988,7 +988,7 @@ def _gemv6_config(m: int, n: int, k: int):
         return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
     if split and seg >= 2048 and k % seg == 0:
         return 8, max(1, min(8, kbp // 64)), 16, seg, False
-    narrow = not split and n <= 8192
+    narrow = _gemv6_narrow(n, k)
     rows = 4 if split or narrow or n >= 16384 else 8
     return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
 
@@ -1156,8 +1156,8 @@ def _gemv6_narrow(n: int, k: int) -> bool:
     return n * k < 1 << 26 and n <= 8192 and _gemv6_segment(k, 4096) >= k
 
 
-# gemv6's single-segment tiles that load nothing ahead keep the run-time-K build up to this many rows
-GEMV6_RUNTIME_K_MAX_N = 8192
+# at M = 1, gemv6's narrow single-segment tiles that load nothing ahead keep the run-time-K build
+GEMV6_NARROW_RUNTIME_K = True
 
 
 def _gemv6_kb_c(m: int, n: int, k: int, rows: int, segments: int, prefetch: bool) -> int:
@@ -1165,7 +1165,7 @@ def _gemv6_kb_c(m: int, n: int, k: int, rows: int, segments: int, prefetch: bool
     whose tiles load nothing ahead (8B qkv / o: 7.20 -> 7.30 and 5.85 -> 5.93 us with it, interleaved,
     results/gemv_const_k_h200.json; 2-12% faster on the other layers, and at M = 2 on these too:
     11.01 -> 10.68, 8.92 -> 8.51)."""
-    if m == 1 and segments == 1 and not prefetch and n <= GEMV6_RUNTIME_K_MAX_N:
+    if GEMV6_NARROW_RUNTIME_K and m == 1 and segments == 1 and not prefetch and _gemv6_narrow(n, k):
         return 0
     return _const_kb(n, k, rows)
 
