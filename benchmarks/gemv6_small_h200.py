@@ -1,7 +1,9 @@
 """gemv6 (M = 1) on the small single-segment layers: the session-9 rule (4 rows, 4 programs an SM)
 against the session-4 one (8 rows, 8 an SM) on Llama-3.1 8B qkv / o and the other models' layers
 narrower than 16384 whose K is one segment, in interleaved rounds (medians); outputs compared.
-The configuration sweep that found the rule: ``SWEPT="8B.qkv,8B.o" python benchmarks/gemv6_prefetch_h200.py``
+``COMPARE=prefetch``: the shipped rule against the same with the narrow layers' tiles loaded one step
+ahead (which takes the constant-K build; $OUT/gemv6_small_prefetch_h200.json). The configuration sweep
+that found the rule: ``SWEPT="8B.qkv,8B.o" python benchmarks/gemv6_prefetch_h200.py``
 (results/gemv6_small_sweep_h200.json).
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/gemv6_small_h200.py   # $OUT/gemv6_small_h200.json
@@ -27,11 +29,23 @@ LAYERS = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "Qwen2-7B.qkv": (4608, 3
 new_config = gm._gemv6_config
 
 
-def old_config(m, n, k):
-    rows, warps, per_sm, seg, prefetch = new_config(m, n, k)
+def session4_config(m, n, k):
+    rows, warps, per_sm, seg, prefetch = shipped(m, n, k)
     if n * k < 1 << 26 and k <= seg and n < 16384:  # the session-4 rule for these layers
         return 8, warps, 8, seg, prefetch
     return rows, warps, per_sm, seg, prefetch
+
+
+def prefetch_config(m, n, k):  # COMPARE=prefetch: the narrow layers' tiles loaded one step ahead
+    rows, warps, per_sm, seg, prefetch = shipped(m, n, k)
+    return rows, warps, per_sm, seg, prefetch or gm._gemv6_narrow(n, k)
+
+
+COMPARE = os.environ.get("COMPARE", "session4")
+shipped = new_config
+old_config = session4_config
+if COMPARE == "prefetch":  # old: as shipped; new: the narrow layers load ahead
+    old_config, new_config = shipped, prefetch_config
 
 
 def run_with(cfg, fn):
@@ -39,7 +53,7 @@ def run_with(cfg, fn):
     try:
         return fn()
     finally:
-        gm._gemv6_config = new_config
+        gm._gemv6_config = shipped
 
 
 res = {"env": peers.env(), "rows": []}
@@ -61,5 +75,6 @@ for name, (n, k) in LAYERS.items():
     row["new_over_old"] = row["median_us"]["new"] / row["median_us"]["old"]
     res["rows"].append(row)
     print(json.dumps(row), flush=True)
-with open(os.path.join(os.environ.get("OUT", "."), "gemv6_small_h200.json"), "w") as f:
+out_name = "gemv6_small_prefetch_h200.json" if COMPARE == "prefetch" else "gemv6_small_h200.json"
+with open(os.path.join(os.environ.get("OUT", "."), out_name), "w") as f:
     json.dump(res, f, indent=1)
