@@ -414,6 +414,31 @@ def main_gpu():
 # --------------------------------------------------------------------------- #
 # Report (here, from the JSON)
 # --------------------------------------------------------------------------- #
+def _floor_section(floor_path, get, copy):
+    """Lines comparing each layer's M = 1 time and target with the plain read of its NVFP4 bytes
+    (``read_floor_h200.py``'s result beside the table's JSON, a separate run), if that file exists."""
+    if not os.path.exists(floor_path):
+        return []
+    with open(floor_path) as f:
+        floors = {r["layer"]: r for r in json.load(f)["layers"]}
+    lines = ["", "## M = 1 against a plain read of the same bytes", "",
+             f"From `{os.path.basename(floor_path)}` (another run): the fastest streaming read of each layer's "
+             "NVFP4 bytes (no decode) in the same timing. A target below this floor is out of reach of any kernel "
+             "in this timing.", "",
+             "| shape | read floor (us) | floor % of copy | M = 1 target (us) | ours M = 1 (us, this run) | ours / floor |",
+             "|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        fl, r = floors.get(name), get.get((name, 1, "ours_w4a16"))
+        if not fl or not r:
+            continue
+        need = 0.8 if name.startswith("70B") else 0.7
+        target_us = fl["bytes"] / (need * copy * 1e12) * 1e6
+        below = " (below the floor)" if target_us < fl["floor_us"] else ""
+        lines.append(f"| {name} | {fl['floor_us']:.2f} | {fl['floor_pct_copy']:.0f}% | {target_us:.2f}{below} | "
+                     f"{r['ms'] * 1e3:.2f} | {r['ms'] * 1e3 / fl['floor_us']:.2f} |")
+    return lines
+
+
 def report(path):
     with open(path) as f:
         res = json.load(f)
@@ -510,6 +535,7 @@ def report(path):
             if r:
                 t("quantize 4/6 (mse) <= 10% slower", f"{m}x{k}", f"{r['ms']/s['ms']-1:+.0%}",
                   r["ms"] / s["ms"] <= 1.10)
+    lines += _floor_section(os.path.join(os.path.dirname(path), "read_floor_h200.json"), get, copy)
     lines += ["", "## Quantize kernel (bf16 activations -> packed codes + e4m3 scales, static amax)", "",
               "| M x K | standard TB/s (% of copy) | mse | mae | max | clone TB/s | mse vs standard |",
               "|---|---|---|---|---|---|---|"]
