@@ -362,7 +362,8 @@ def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, k
 def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel, cfg, m, n, k):
     """gemv6 / gemv7 built with K/16 as a compile-time constant (rows at constant distances, the tile
     index clamped where the run-time build remaps rows past N) give the bits of the build that takes K
-    at run time, and the launcher picks the constant build only where N is whole row tiles."""
+    at run time (W4A16, and W4A4 with the activations quantized in gemv6), and the launcher picks the
+    constant build only where N is whole row tiles."""
     _, gm = tk
     monkeypatch.setattr(gm, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
     monkeypatch.setattr(gm, kernel, lambda m_, n_, k_: cfg)
@@ -370,14 +371,20 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     wq = _weight(n, k, seed=k + n)
     x = _activations(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
-    got = []
+    monkeypatch.setattr(gm, "W4A4_FUSED", True)  # W4A4 through gemv6's own quantizing prologue
+    amax = x.float().abs().amax()
+    got, got4 = [], []
     for const in (False, True):
         monkeypatch.setattr(gm, "GEMV_CONST_K", const)
         assert gm._const_kb(n, k, cfg[0]) == (k // 16 if const else 0)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         got.append(gm.linear_w4a16(x, wq, bias, path="gemv6", out=out))
+        if kernel == "_gemv6_config":
+            got4.append(gm.linear_w4a4(x, wq, amax, bias, path="gemv6"))
     assert _rel(got[1], x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
     assert torch.equal(got[0], got[1])
+    if got4:
+        assert torch.equal(got4[0], got4[1])
     assert gm._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
 
 
