@@ -5,6 +5,9 @@ bit-equal between the builds and within the GEMV tolerance of the reference deco
 in interleaved rounds (medians, CUDA-graph replays as the table), with cuBLAS bf16.
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/gemv_const_k_h200.py   # $OUT/gemv_const_k_h200.json
+
+``KNOB=GEMV7_PREFETCH_X`` toggles that switch of ``fp4ptq.kernels.gemm`` instead (off / on in the
+"runtime_k" / "const_k" columns; $OUT/gemv_<knob>_h200.json).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ LAYERS = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
           "Qwen2-7B.gate_up": (37888, 3584), "Qwen2-7B.down": (3584, 18944)}
 LAYERS = {a: b for a, b in LAYERS.items() if a in os.environ.get("ONLY", ",".join(LAYERS)).split(",")}
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
+KNOB = os.environ.get("KNOB", "GEMV_CONST_K")
 
 
 def main() -> None:
@@ -49,9 +53,9 @@ def main() -> None:
         for label, (x, fn, ref) in cases.items():
             outs = {}
             for const in (False, True):
-                gm.GEMV_CONST_K = const
+                setattr(gm, KNOB, const)
                 outs[const] = fn().clone()
-            gm.GEMV_CONST_K = True
+            setattr(gm, KNOB, True)
             rel = float((outs[True].float() - ref).norm() / ref.norm())
             row["checks"][label] = {"bit_equal": bool(torch.equal(outs[False], outs[True])), "rel_err": rel}
             if not row["checks"][label]["bit_equal"] or not rel < 1e-2:
@@ -61,16 +65,17 @@ def main() -> None:
                 if label != "w4a4_m1":
                     times.setdefault("cublas", []).append(peers.bench(lambda: x @ wb.t()) * 1e3)
                 for const in (False, True):
-                    gm.GEMV_CONST_K = const
+                    setattr(gm, KNOB, const)
                     times.setdefault("const_k" if const else "runtime_k", []).append(peers.bench(fn) * 1e3)
-            gm.GEMV_CONST_K = True
+            setattr(gm, KNOB, True)
             med = {a: statistics.median(b) for a, b in times.items()}
             row["median_us"][label] = med
             row["all_us"][label] = times
             print(name, label, {a: round(b, 2) for a, b in med.items()},
                   f"{100 * byt / (med['const_k'] * 1e-6) / 1e12 / res['copy_TBps']:.1f}% of copy", flush=True)
         res["rows"].append(row)
-        with open(os.path.join(os.environ.get("OUT", "."), "gemv_const_k_h200.json"), "w") as f:
+        with open(os.path.join(os.environ.get("OUT", "."), "gemv_const_k_h200.json" if KNOB == "GEMV_CONST_K"
+                               else f"gemv_{KNOB.lower()}_h200.json"), "w") as f:
             json.dump(res, f, indent=1)
     print("total s", round(time.time() - t0, 1))
 
