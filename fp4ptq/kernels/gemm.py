@@ -738,12 +738,15 @@ def _gemv_stream_kernel(
         else:
             cur, csb = _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K, KB_C, ROWS)
         if PREFETCH_X:
-            cl0, ch0, cl1, ch1 = xl0, xh0, xl1, xh1
+            p00, p01, p02, p03 = _x_pairs_of_words(xl0, xh0, EMULATE)
+            p10, p11, p12, p13 = _x_pairs_of_words(xl1, xh1, EMULATE)
             xl0, xh0, xl1, xh1 = _x_chunk_words(xw, c_next * KC, ab, kb)
-        else:
-            cl0, ch0, cl1, ch1 = _x_chunk_words(xw, b0, ab, kb)
-        p00, p01, p02, p03 = _x_pairs_of_words(cl0, ch0, EMULATE)
-        p10, p11, p12, p13 = _x_pairs_of_words(cl1, ch1, EMULATE)
+        else:  # each half loaded, then paired (this order measured best without loading ahead)
+            bidx = b0 + ab
+            b_ok = bidx < kb
+            bidx = tl.where(b_ok, bidx, 0)
+            p00, p01, p02, p03 = _x_pairs_of_words(*_x_words(xw, bidx, b_ok, 0), EMULATE)
+            p10, p11, p12, p13 = _x_pairs_of_words(*_x_words(xw, bidx, b_ok, 1), EMULATE)
         part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
                                p12[:, None], p13[:, None], EMULATE, MULDEC)
         acc += _scaled_block_sums(part, csb)
