@@ -6,8 +6,9 @@ in interleaved rounds (medians, CUDA-graph replays as the table), with cuBLAS bf
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/gemv_const_k_h200.py   # $OUT/gemv_const_k_h200.json
 
-``KNOB=GEMV7_PREFETCH_X`` toggles that switch of ``fp4ptq.kernels.gemm`` instead (off / on in the
-"runtime_k" / "const_k" columns; $OUT/gemv_<knob>_h200.json).
+``KNOB=NAME`` toggles another boolean switch of ``fp4ptq.kernels.gemm`` instead (off / on in the
+"runtime_k" / "const_k" columns; $OUT/gemv_<name>_h200.json; session 14's GEMV7_PREFETCH_X, since
+removed, ran this way).
 """
 from __future__ import annotations
 

@@ -500,20 +500,10 @@ def _x_pair_prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk_words(xw, b0, ab, kb):
-    """The activation words of blocks ``b0 + ab`` (both halves: four int64 a block; zeros past K)."""
-    bidx = b0 + ab
-    b_ok = bidx < kb
-    bidx = tl.where(b_ok, bidx, 0)
-    lo0, hi0 = _x_words(xw, bidx, b_ok, 0)
-    lo1, hi1 = _x_words(xw, bidx, b_ok, 1)
-    return lo0, hi0, lo1, hi1
-
-
-@triton.jit
-def _x_pairs_of_words(lo, hi, EMULATE: tl.constexpr):
-    """``_x_pairs_from_words`` of a half's two loaded words (``_x_words``) in two instructions a pair
-    (``_x_pair_prmt``), for a GEMV that re-reads x every step."""
+def _x_pairs_stream(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
+    """``_x_pairs_from_words`` in two instructions a pair (``_x_pair_prmt``), for a GEMV
+    that re-reads x every step."""
+    lo, hi = _x_words(xw, bidx, b_ok, h)
     lo0, lo1 = lo.to(tl.int32), (lo >> 32).to(tl.int32)
     hi0, hi1 = hi.to(tl.int32), (hi >> 32).to(tl.int32)
     return (_x_pair_prmt(lo0, hi0, 0x5410, EMULATE), _x_pair_prmt(lo0, hi0, 0x7632, EMULATE),
@@ -689,7 +679,6 @@ def _gemv_stream_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
-    PREFETCH_X: tl.constexpr = False,
 ):
     # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
     # program's registers is split into segments, each program walks a few row
@@ -723,8 +712,6 @@ def _gemv_stream_kernel(
     roff = _tile_offsets_t(t, ROWS, ar, N, kb, KB_C)
     if PREFETCH:
         blk, sb = _load_blocks_t(w_ptr, s_ptr, roff, kb, 0, ab, EVEN_K, KB_C, ROWS)
-    if PREFETCH_X:  # x's words loaded a step ahead too (the first chunk's now)
-        xl0, xh0, xl1, xh1 = _x_chunk_words(xw, 0, ab, kb)
     acc = tl.zeros((KC, ROWS), dtype=tl.float32)
     for _ in range(0, mine * chunks):
         b0 = c * KC
@@ -737,16 +724,11 @@ def _gemv_stream_kernel(
             blk, sb = _load_blocks_t(w_ptr, s_ptr, roff_next, kb, c_next * KC, ab, EVEN_K, KB_C, ROWS)
         else:
             cur, csb = _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K, KB_C, ROWS)
-        if PREFETCH_X:
-            p00, p01, p02, p03 = _x_pairs_of_words(xl0, xh0, EMULATE)
-            p10, p11, p12, p13 = _x_pairs_of_words(xl1, xh1, EMULATE)
-            xl0, xh0, xl1, xh1 = _x_chunk_words(xw, c_next * KC, ab, kb)
-        else:  # each half loaded, then paired (this order measured best without loading ahead)
-            bidx = b0 + ab
-            b_ok = bidx < kb
-            bidx = tl.where(b_ok, bidx, 0)
-            p00, p01, p02, p03 = _x_pairs_of_words(*_x_words(xw, bidx, b_ok, 0), EMULATE)
-            p10, p11, p12, p13 = _x_pairs_of_words(*_x_words(xw, bidx, b_ok, 1), EMULATE)
+        bidx = b0 + ab
+        b_ok = bidx < kb
+        bidx = tl.where(b_ok, bidx, 0)
+        p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
+        p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
         part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
                                p12[:, None], p13[:, None], EMULATE, MULDEC)
         acc += _scaled_block_sums(part, csb)
@@ -1109,8 +1091,6 @@ GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
 GEMV7 = os.environ.get("FP4PTQ_GEMV7", "auto")
 if GEMV7 not in ("auto", "0", "1"):
     raise ValueError(f"FP4PTQ_GEMV7={GEMV7!r}: use auto (where measured faster), 1 (always) or 0 (never)")
-# gemv7 loading ahead loads x's next chunk ahead too (with the weights); "0": x loaded in its step
-GEMV7_PREFETCH_X = os.environ.get("FP4PTQ_GEMV7_PREFETCH_X", "1") == "1"
 # the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
 GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
 
@@ -1152,7 +1132,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
-                  KB_C=_const_kb(n, k, rows), PREFETCH_X=prefetch and GEMV7_PREFETCH_X, num_warps=warps)
+                  KB_C=_const_kb(n, k, rows), num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(triton.cdiv(n, rows), programs)), m)
     _gemv_stream_kernel[grid](*args, **kwargs)
