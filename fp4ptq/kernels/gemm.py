@@ -679,7 +679,6 @@ def _gemv_stream_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
-    AHEAD2: tl.constexpr = False,
 ):
     # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
     # program's registers is split into segments, each program walks a few row
@@ -713,10 +712,6 @@ def _gemv_stream_kernel(
     roff = _tile_offsets_t(t, ROWS, ar, N, kb, KB_C)
     if PREFETCH:
         blk, sb = _load_blocks_t(w_ptr, s_ptr, roff, kb, 0, ab, EVEN_K, KB_C, ROWS)
-    if AHEAD2:  # (with PREFETCH) the step after the next in flight too
-        last1 = chunks == 1
-        blk2, sb2 = _load_blocks_t(w_ptr, s_ptr, _tile_offsets_t(tl.where(last1, t + nprog, t), ROWS, ar, N, kb, KB_C),
-                                   kb, tl.where(last1, 0, KC), ab, EVEN_K, KB_C, ROWS)
     acc = tl.zeros((KC, ROWS), dtype=tl.float32)
     for _ in range(0, mine * chunks):
         b0 = c * KC
@@ -724,14 +719,7 @@ def _gemv_stream_kernel(
         t_next = tl.where(last, t + nprog, t)
         c_next = tl.where(last, 0, c + 1)
         roff_next = _tile_offsets_t(t_next, ROWS, ar, N, kb, KB_C)
-        if AHEAD2:  # this step's blocks came two steps ago; the one after the next goes in flight now
-            last2 = c_next == chunks - 1
-            roff2 = _tile_offsets_t(tl.where(last2, t_next + nprog, t_next), ROWS, ar, N, kb, KB_C)
-            cur, csb = blk, sb
-            blk, sb = blk2, sb2
-            blk2, sb2 = _load_blocks_t(w_ptr, s_ptr, roff2, kb, tl.where(last2, 0, c_next + 1) * KC, ab, EVEN_K,
-                                       KB_C, ROWS)
-        elif PREFETCH:  # this step's blocks came one step ago; the next step's go in flight now
+        if PREFETCH:  # this step's blocks came one step ago; the next step's go in flight now
             cur, csb = blk, sb
             blk, sb = _load_blocks_t(w_ptr, s_ptr, roff_next, kb, c_next * KC, ab, EVEN_K, KB_C, ROWS)
         else:
@@ -1103,8 +1091,6 @@ GEMV6_WHOLE_WAVES = os.environ.get("FP4PTQ_GEMV6_WHOLE_WAVES", "1") == "1"
 GEMV7 = os.environ.get("FP4PTQ_GEMV7", "auto")
 if GEMV7 not in ("auto", "0", "1"):
     raise ValueError(f"FP4PTQ_GEMV7={GEMV7!r}: use auto (where measured faster), 1 (always) or 0 (never)")
-# gemv7 loading ahead keeps two steps in flight instead of one
-GEMV7_AHEAD2 = os.environ.get("FP4PTQ_GEMV7_AHEAD2", "1") == "1"
 # the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
 GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
 
@@ -1146,7 +1132,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
-                  KB_C=_const_kb(n, k, rows), AHEAD2=prefetch and GEMV7_AHEAD2, num_warps=warps)
+                  KB_C=_const_kb(n, k, rows), num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(triton.cdiv(n, rows), programs)), m)
     _gemv_stream_kernel[grid](*args, **kwargs)
