@@ -29,6 +29,8 @@ LAYERS = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
 LAYERS = {a: b for a, b in LAYERS.items() if a in os.environ.get("ONLY", ",".join(LAYERS)).split(",")}
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 KNOB = os.environ.get("KNOB", "GEMV_CONST_K")
+if not isinstance(getattr(gm, KNOB, None), bool):
+    raise SystemExit(f"KNOB={KNOB!r}: not a boolean switch of fp4ptq.kernels.gemm (e.g. GEMV_CONST_K)")
 
 
 def main() -> None:

@@ -285,7 +285,7 @@ def _load_tile(w_ptr, s_ptr, t, ROWS: tl.constexpr, ar, N, kb, ab, EVEN_K: tl.co
     if KB_C > 0:
         b_ok = ab < KB_C
         sidx = tl.where(b_ok, ab, 0)  # the scale loads must not pick the tile's layout (see _load_blocks)
-        base = tl.minimum(t, N // ROWS - 1) * (ROWS * KB_C)
+        base = _tile_offsets_t(t, ROWS, ar, N, kb, KB_C)
         rows = (ar * KB_C)[:, None]
         return _codes_and_scales(w_ptr + (base + ab)[None, :] + rows, s_ptr + (base + sidx)[None, :] + rows,
                                  b_ok[None, :], EVEN_K)
