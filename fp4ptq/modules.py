@@ -9,6 +9,10 @@ Its buffers are exactly the compressed-tensors checkpoint tensors, so its
     input_global_scale   float32         [1]   (W4A4 only: 6*448/input_amax)
 
 ``forward`` calls only ``fp4ptq.kernels`` (Triton on CUDA, reference elsewhere).
+Under ``torch.compile`` it goes through one custom op, ``torch.ops.fp4ptq.nvfp4_linear``,
+so that the kernels' launch logic (shape rules, self-tests, Python-side checks) is
+opaque to Dynamo: a compiled model has no graph break at its NVFP4 layers and can
+be captured whole in a CUDA graph (``mode="reduce-overhead"``).
 
 Off CUDA the reference GEMMs multiply by the decoded weight; decoding costs more
 than the matmul on a CPU, so the module keeps the decoded weight (one float copy
@@ -47,6 +51,32 @@ def _buffer_state(tensor: torch.Tensor):
 def _same_buffer(state, tensor: torch.Tensor) -> bool:
     ref, data_ptr, version = state
     return ref() is tensor and data_ptr == tensor.data_ptr() and version == tensor._version
+
+
+def _linear(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor],
+            input_global_scale: Optional[torch.Tensor], act_four_six: Optional[str], decoded=None) -> torch.Tensor:
+    """The layer's product through the dispatch: W4A4 when ``input_global_scale`` is given."""
+    if input_global_scale is not None:
+        return kernels.linear_w4a4(x, weight, nvfp4.activation_amax_from_global(input_global_scale), bias,
+                                   four_six=act_four_six, decoded=decoded)
+    return kernels.linear_w4a16(x, weight, bias, decoded=decoded)
+
+
+@torch.library.custom_op("fp4ptq::nvfp4_linear", mutates_args=())
+def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_global_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 input_global_scale: Optional[torch.Tensor], act_four_six: Optional[str]) -> torch.Tensor:
+    """``NVFP4Linear.forward`` as one op for ``torch.compile`` (the buffers as arguments; W4A4 when
+    ``input_global_scale`` is given). The same dispatch as eager, without the CPU decode cache."""
+    out_features, half_k = weight_packed.shape
+    weight = NVFP4Tensor(weight_packed, weight_scale, weight_global_scale.reshape(()),
+                         torch.Size((out_features, 2 * half_k)), x.dtype)
+    return _linear(x, weight, bias, input_global_scale, act_four_six)
+
+
+@nvfp4_linear.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias, input_global_scale, act_four_six):
+    return x.new_empty((*x.shape[:-1], weight_packed.shape[0]))
 
 
 class NVFP4Linear(nn.Module):
@@ -193,16 +223,16 @@ class NVFP4Linear(nn.Module):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op: no graph break, no Python traced per launch
+            return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
+                                self.input_global_scale, self.act_four_six)
         weight = self.quantized_weight()
         if self._caches_decode():
             decoded = self._decoded_weight
         else:
             self._decoded = None
             decoded = None
-        if self.scheme == "w4a4":
-            return kernels.linear_w4a4(x, weight, self.input_amax(), self.bias, four_six=self.act_four_six,
-                                       decoded=decoded)
-        return kernels.linear_w4a16(x, weight, self.bias, decoded=decoded)
+        return _linear(x, weight, self.bias, self.input_global_scale, self.act_four_six, decoded)
 
     def extra_repr(self) -> str:
         extra = f", act_four_six={self.act_four_six}" if self.act_four_six else ""
