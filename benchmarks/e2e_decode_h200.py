@@ -8,9 +8,12 @@ Per model and batch size:
   * decode, CUDA graph: one greedy step (forward + argmax fed back as the next token) captured
     once and replayed (what serving engines and ``torch.compile(mode="reduce-overhead")`` do):
     ms a token and tokens a second for the whole batch;
-  * checks: the replayed steps give the eager steps' tokens (same kernels, so the same bits);
-    the quantized model's prefill logits against the bf16 model's (relative error).
-  * COMPILE=1 (B = 1 only): the decode step through ``torch.compile(mode="reduce-overhead")``,
+  * checks: the first replayed step's logits against the eager step's, and the share of equal
+    tokens over CHECK_STEPS steps; the quantized model's prefill through the Triton kernels against
+    the same model through the reference backend (hidden states after blocks 1 .. 32, logits), and
+    against the bf16 model (random weights: a deep random model amplifies any difference);
+  * where a token's GPU time goes: one eager step under torch.profiler, kernels by kind;
+  * COMPILE=1 (B = 1, COMPILE_SCHEMES): the decode step through ``torch.compile(mode="reduce-overhead")``,
     which works because NVFP4Linear is one custom op to Dynamo (no graph breaks at the layers).
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/e2e_decode_h200.py   # $OUT/e2e_decode_h200.json
@@ -21,7 +24,9 @@ small model, CPU-sized: checks the script, not a measurement).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -41,6 +46,7 @@ STEPS = int(os.environ.get("STEPS", 128))
 CHECK_STEPS = 8
 SCHEMES = os.environ.get("SCHEMES", "bf16,w4a16,w4a4").split(",")
 COMPILE = os.environ.get("COMPILE", "0") == "1"
+COMPILE_SCHEMES = os.environ.get("COMPILE_SCHEMES", "bf16,w4a16").split(",")
 TINY = os.environ.get("TINY", "0") == "1"
 SIZES = dict(  # config.json of meta-llama/Llama-3.1-8B
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=int(os.environ.get("LAYERS", 32)),
@@ -99,8 +105,9 @@ def timed(fn, reps: int = 1) -> float:
 
 
 class Decoder:
-    """A static-cache greedy decoder for one model and batch size: ``step`` feeds ``tok`` [B, 1]
-    and writes the argmax back into it (the cache advances its own position counter in place)."""
+    """A static-cache greedy decoder for one model and batch size: ``step`` feeds ``tok`` [B, 1],
+    keeps the last position's logits in ``logits`` and writes their argmax back into ``tok`` (the
+    cache advances its own position counter in place), so a captured step replays as a decoder."""
 
     def __init__(self, model, batch: int):
         from transformers import StaticCache
@@ -108,45 +115,124 @@ class Decoder:
         self.model = model
         self.cache = StaticCache(config=model.config, max_cache_len=PROMPT + 2 * CHECK_STEPS + STEPS + 64)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(batch, SIZES["vocab_size"], dtype=torch.float32, device=dev)
         self.prompt = torch.randint(0, SIZES["vocab_size"], (batch, PROMPT), device=dev,
                                     generator=torch.Generator(device=dev).manual_seed(batch))
 
     @torch.no_grad()
-    def prefill(self):
+    def prefill(self, hidden: bool = False):
         self.cache.reset()
-        logits = self.model(input_ids=self.prompt, past_key_values=self.cache, use_cache=True).logits
-        self.tok.copy_(logits[:, -1:].argmax(-1))
-        return logits[:, -1].float()
+        out = self.model(input_ids=self.prompt, past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=hidden)
+        self.tok.copy_(out.logits[:, -1:].argmax(-1))
+        self.logits.copy_(out.logits[:, -1])
+        return out
 
     @torch.no_grad()
     def step(self):
         logits = self.model(input_ids=self.tok, past_key_values=self.cache, use_cache=True).logits
+        self.logits.copy_(logits[:, -1])
         self.tok.copy_(logits[:, -1:].argmax(-1))
 
 
-def run_model(model, label: str, ref_logits: dict, res: dict) -> dict:
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def decode_tokens(d: Decoder, step, n: int):
+    """Prefill, then ``n`` steps of ``step``: the tokens fed back and the first step's logits."""
+    d.prefill()
+    tokens, first = [], None
+    for i in range(n):
+        step()
+        tokens.append(d.tok.clone())
+        if i == 0:
+            first = d.logits.clone()
+    return torch.cat(tokens, 1), first
+
+
+@contextlib.contextmanager
+def reference_backend():
+    """NVFP4Linear through the dispatch's reference backend (dequantize, then torch's matmul)."""
+    from fp4ptq import kernels
+
+    saved = kernels.linear_w4a16, kernels.linear_w4a4
+    kernels.linear_w4a16 = functools.partial(saved[0], backend="reference")
+    kernels.linear_w4a4 = functools.partial(saved[1], backend="reference")
+    try:
+        yield
+    finally:
+        kernels.linear_w4a16, kernels.linear_w4a4 = saved
+
+
+def kernel_error(d: Decoder) -> dict:
+    """The quantized model's prefill through the Triton kernels against the same quantized model
+    through the reference backend: hidden states (last position) after blocks 1, 8, 16 and 32,
+    and the logits. Block 1 is the kernels' own error; the growth after it, how much this random
+    32-block model amplifies any rounding difference."""
+    ours = d.prefill(hidden=True)
+    with reference_backend():
+        ref = d.prefill(hidden=True)
+    hs = len(ours.hidden_states) - 1
+    out = {f"hidden_rel_err_block{i}": rel(ours.hidden_states[i][:, -1], ref.hidden_states[i][:, -1])
+           for i in sorted({1, min(8, hs), min(16, hs), hs})}
+    out["logits_rel_err_vs_reference_backend"] = rel(ours.logits[:, -1], ref.logits[:, -1])
+    out["next_token_agreement_vs_reference_backend"] = float(
+        (ours.logits[:, -1].argmax(-1) == ref.logits[:, -1].argmax(-1)).float().mean())
+    return out
+
+
+KINDS = (("fp4ptq", ("_gemv", "_mma", "_ws_kernel", "_wgmma", "_gemm_kernel", "quant", "_dequant", "split")),
+         ("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+         ("attention", ("flash", "fmha", "attention", "efficient", "softmax")))
+
+
+def kernel_breakdown(d: Decoder) -> dict:
+    """GPU time of one eager decode step by kind of kernel (torch.profiler): where a token's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    d.prefill()
+    d.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        d.step()
+        torch.cuda.synchronize()
+    totals, counts = {}, {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if not us or e.count == 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, keys in KINDS if any(t.lower() in name for t in keys)), "other")
+        totals[kind] = totals.get(kind, 0.0) + us / 1e3
+        counts[kind] = counts.get(kind, 0) + e.count
+    return {"kernel_ms_by_kind": totals, "kernels_by_kind": counts}
+
+
+def run_model(model, label: str, ref_logits: dict) -> dict:
     out = {"scheme": label, "gpu_bytes": gpu_bytes(model), "batches": {}}
     for batch in BATCHES:
         row = {}
         try:
             d = Decoder(model, batch)
-            logits = d.prefill()  # first call: the kernels compile and self-test here
+            d.prefill()  # first call: the kernels compile and self-test here
             row["prefill_ms"] = min(timed(d.prefill) for _ in range(3))
-            logits = d.prefill()
+            d.prefill()
             if label == "bf16":
-                ref_logits[batch] = logits
+                ref_logits[batch] = d.logits.clone()
             elif batch in ref_logits:
-                ref = ref_logits[batch]
-                row["prefill_logits_rel_err_vs_bf16"] = float((logits - ref).norm() / ref.norm())
-                row["next_token_agreement_vs_bf16"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-            eager_tokens = []
-            for _ in range(CHECK_STEPS):  # eager steps: also the warmup before the capture
-                d.step()
-                eager_tokens.append(d.tok.clone())
+                row["logits_rel_err_vs_bf16"] = rel(d.logits, ref_logits[batch])
+                row["next_token_agreement_vs_bf16"] = float(
+                    (d.logits.argmax(-1) == ref_logits[batch].argmax(-1)).float().mean())
+            if label != "bf16" and batch == BATCHES[0]:
+                row.update(kernel_error(d))
+            eager_tokens, eager_first = decode_tokens(d, d.step, CHECK_STEPS)  # also the capture's warmup
             row["eager_decode_ms"] = timed(d.step, 16)
             if dev.type != "cuda":
                 out["batches"][batch] = row
                 continue
+            if batch == BATCHES[0]:
+                row.update(kernel_breakdown(d))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -155,17 +241,13 @@ def run_model(model, label: str, ref_logits: dict, res: dict) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 d.step()
-            d.prefill()
-            replayed = []
-            for _ in range(CHECK_STEPS):
-                graph.replay()
-                replayed.append(d.tok.clone())
-            row["graph_tokens_equal_eager"] = all(torch.equal(a, b) for a, b in zip(eager_tokens, replayed))
+            graph_tokens, graph_first = decode_tokens(d, graph.replay, CHECK_STEPS)
+            row["graph_first_step_logits_equal_eager"] = torch.equal(graph_first, eager_first)
+            row["graph_first_step_logits_rel_diff"] = rel(graph_first, eager_first)
+            row["graph_tokens_agreement_with_eager"] = float((graph_tokens == eager_tokens).float().mean())
             row["graph_decode_ms"] = timed(graph.replay, STEPS)
             row["tokens_per_s"] = batch * 1e3 / row["graph_decode_ms"]
             del graph
-            if COMPILE and batch == 1:
-                row.update(compiled_decode(d))
         except Exception as exc:  # noqa: BLE001 - keep the other rows
             row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             row["traceback"] = traceback.format_exc()[-3000:]
@@ -176,24 +258,17 @@ def run_model(model, label: str, ref_logits: dict, res: dict) -> dict:
     return out
 
 
-def compiled_decode(d: Decoder) -> dict:
-    """The decode step through torch.compile(mode="reduce-overhead"): compile time, ms a token, and
-    whether its tokens follow the eager steps'."""
+def compiled_decode(model) -> dict:
+    """B = 1 decode through torch.compile(mode="reduce-overhead"): compile time, ms a token, and the
+    first step's logits and the tokens against the eager steps'."""
     torch._dynamo.reset()
+    d = Decoder(model, 1)
+    eager_tokens, eager_first = decode_tokens(d, d.step, CHECK_STEPS)
     t0 = time.time()
     step = torch.compile(d.step, mode="reduce-overhead")
-    d.prefill()
-    eager = []
-    for _ in range(CHECK_STEPS):
-        d.step()
-        eager.append(d.tok.clone())
-    d.prefill()
-    got = []
-    for _ in range(CHECK_STEPS):
-        step()
-        got.append(d.tok.clone())
-    compile_s = time.time() - t0
-    result = {"compile_s": compile_s, "compiled_tokens_equal_eager": all(torch.equal(a, b) for a, b in zip(eager, got))}
+    tokens, first = decode_tokens(d, step, CHECK_STEPS)
+    result = {"compile_s": time.time() - t0, "compiled_first_step_logits_rel_diff": rel(first, eager_first),
+              "compiled_tokens_agreement_with_eager": float((tokens == eager_tokens).float().mean())}
     result["compiled_decode_ms"] = timed(step, STEPS // 2)
     return result
 
@@ -213,24 +288,38 @@ def quantized(base, scheme: str):
 def main():
     res = {"env": env(), "prompt": PROMPT, "steps": STEPS, "models": []}
     path = os.path.join(OUT, "e2e_decode_h200.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
     t0 = time.time()
     base = build_model()
     res["build_s"] = time.time() - t0
     ref_logits: dict = {}
+    models = {}
     for scheme in SCHEMES:
         if scheme == "bf16":
-            entry = run_model(base, "bf16", ref_logits, res)
+            models[scheme] = base
+            entry = run_model(base, "bf16", ref_logits)
         else:
             model, seconds, layers = quantized(base, scheme)
-            entry = run_model(model, scheme, ref_logits, res)
+            models[scheme] = model
+            entry = run_model(model, scheme, ref_logits)
             entry.update(quantize_s=seconds, nvfp4_layers=layers)
-            del model
         res["models"].append(entry)
         gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+        save()
+    for entry in res["models"]:
+        if COMPILE and entry["scheme"] in COMPILE_SCHEMES and dev.type == "cuda":
+            try:
+                entry["compiled_b1"] = compiled_decode(models[entry["scheme"]])
+            except Exception as exc:  # noqa: BLE001
+                entry["compiled_b1"] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
+                                        "traceback": traceback.format_exc()[-3000:]}
+            print(entry["scheme"], "compiled", {k: v for k, v in entry["compiled_b1"].items() if k != "traceback"},
+                  flush=True)
+            save()
     print(report(res))
 
 
@@ -247,10 +336,33 @@ def report(res: dict) -> str:
                 lines.append(f"| {m['scheme']} | | {b} | {r['prefill_ms']:.1f} | {r['eager_decode_ms']:.2f} | | | | |")
                 continue
             speed = f"{base[b] / r['graph_decode_ms']:.2f}x" if base.get(b) else ""
-            err = r.get("prefill_logits_rel_err_vs_bf16")
+            err = r.get("logits_rel_err_vs_bf16")
             lines.append(f"| {m['scheme']} | {m['gpu_bytes'] / 1e9:.2f} GB | {b} | {r['prefill_ms']:.1f} | "
                          f"{r['eager_decode_ms']:.2f} | {r['graph_decode_ms']:.3f} | {r['tokens_per_s']:.0f} | {speed} | "
                          f"{'' if err is None else f'{err:.3f}'} |")
+    lines += ["", "| model | B | first step: graph = eager | graph tokens = eager | kernels vs reference backend: "
+              "block 1 / last block / logits | GPU ms of one step: NVFP4 kernels / cuBLAS / attention / other |",
+              "|---|---|---|---|---|---|"]
+    for m in res["models"]:
+        for b, r in m["batches"].items():
+            if "graph_decode_ms" not in r:
+                continue
+            blocks = sorted((k for k in r if k.startswith("hidden_rel_err_block")), key=lambda k: int(k[20:]))
+            kern = (f"{r[blocks[0]]:.1e} / {r[blocks[-1]]:.1e} / {r['logits_rel_err_vs_reference_backend']:.1e}"
+                    if blocks else "")
+            kinds = r.get("kernel_ms_by_kind")
+            split = " / ".join(f"{kinds.get(k, 0):.2f}" for k in ("fp4ptq", "cublas", "attention", "other")) if kinds else ""
+            lines.append(f"| {m['scheme']} | {b} | {r['graph_first_step_logits_equal_eager']} "
+                         f"({r['graph_first_step_logits_rel_diff']:.1e}) | {r['graph_tokens_agreement_with_eager']:.0%} | "
+                         f"{kern} | {split} |")
+    for m in res["models"]:
+        c = m.get("compiled_b1")
+        if c and "error" not in c:
+            lines.append(f"\n{m['scheme']}, B = 1, torch.compile(mode='reduce-overhead'): {c['compiled_decode_ms']:.3f} ms "
+                         f"a token (compiled in {c['compile_s']:.0f} s; first step's logits {c['compiled_first_step_logits_rel_diff']:.1e} "
+                         f"from eager, tokens {c['compiled_tokens_agreement_with_eager']:.0%} equal)")
+        elif c:
+            lines.append(f"\n{m['scheme']}, B = 1, torch.compile: {c['error'][:200]}")
     return "\n".join(lines)
 
 
