@@ -54,11 +54,10 @@ def _same_buffer(state, tensor: torch.Tensor) -> bool:
 
 
 def _linear(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor],
-            input_global_scale: Optional[torch.Tensor], act_four_six: Optional[str], decoded=None) -> torch.Tensor:
-    """The layer's product through the dispatch: W4A4 when ``input_global_scale`` is given."""
-    if input_global_scale is not None:
-        return kernels.linear_w4a4(x, weight, nvfp4.activation_amax_from_global(input_global_scale), bias,
-                                   four_six=act_four_six, decoded=decoded)
+            input_amax: Optional[torch.Tensor], act_four_six: Optional[str], decoded=None) -> torch.Tensor:
+    """The layer's product through the dispatch: W4A4 when ``input_amax`` is given."""
+    if input_amax is not None:
+        return kernels.linear_w4a4(x, weight, input_amax, bias, four_six=act_four_six, decoded=decoded)
     return kernels.linear_w4a16(x, weight, bias, decoded=decoded)
 
 
@@ -71,7 +70,8 @@ def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     out_features, half_k = weight_packed.shape
     weight = NVFP4Tensor(weight_packed, weight_scale, weight_global_scale.reshape(()),
                          torch.Size((out_features, 2 * half_k)), x.dtype)
-    return _linear(x, weight, bias, input_global_scale, act_four_six)
+    amax = None if input_global_scale is None else nvfp4.activation_amax_from_global(input_global_scale)
+    return _linear(x, weight, bias, amax, act_four_six)
 
 
 @nvfp4_linear.register_fake
@@ -92,6 +92,7 @@ class NVFP4Linear(nn.Module):
     # Class-level defaults also cover modules unpickled from before these attributes existed.
     decode_cache: Optional[bool] = None
     _decoded = None
+    _amax = None  # (input_global_scale's state, its amax) for W4A4 forwards
 
     def __init__(
         self,
@@ -187,8 +188,25 @@ class NVFP4Linear(nn.Module):
             return None
         return nvfp4.activation_amax_from_global(self.input_global_scale)
 
+    def _cached_input_amax(self) -> Optional[torch.Tensor]:
+        """``input_amax()``, computed again only when ``input_global_scale`` changed (eager calls would
+        otherwise launch its division on every forward)."""
+        scale = self.input_global_scale
+        if scale is None:
+            return None
+        if scale.is_inference():  # no version counter to see in-place writes with
+            return self.input_amax()
+        cached = self._amax
+        if cached is not None and _same_buffer(cached[0], scale):
+            return cached[1]
+        amax = self.input_amax()
+        self._amax = (_buffer_state(scale), amax)
+        return amax
+
     # ------------------------------------------------------------------ #
     def _caches_decode(self) -> bool:
+        if self.weight_packed.is_cuda:
+            return False
         enabled = self.decode_cache if self.decode_cache is not None else decode_cache_enabled_by_env()
         buffers = [getattr(self, name) for name in _WEIGHT_BUFFERS]
         # Inference tensors have no version counter, so in-place edits could not be seen.
@@ -215,11 +233,13 @@ class NVFP4Linear(nn.Module):
         # .to() / .cuda() / .half() replace the buffers: the decoded copy is stale (and must not
         # follow the module to CUDA).
         self._decoded = None
+        self._amax = None
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_decoded"] = None   # weak references do not pickle, and the copy is derived data
+        state["_amax"] = None
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,12 +247,12 @@ class NVFP4Linear(nn.Module):
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
         weight = self.quantized_weight()
+        decoded = None
         if self._caches_decode():
             decoded = self._decoded_weight
-        else:
+        elif self._decoded is not None:
             self._decoded = None
-            decoded = None
-        return _linear(x, weight, self.bias, self.input_global_scale, self.act_four_six, decoded)
+        return _linear(x, weight, self.bias, self._cached_input_amax(), self.act_four_six, decoded)
 
     def extra_repr(self) -> str:
         extra = f", act_four_six={self.act_four_six}" if self.act_four_six else ""

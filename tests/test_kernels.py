@@ -881,3 +881,18 @@ def test_a_failed_automatic_sm90_launch_falls_back_to_dequantize_and_cublas(tk, 
         assert torch.equal(gm.linear_w4a16(x, w), want)
     with pytest.raises(ValueError, match="CUDA only"):  # asked for by name: the guard's reason
         gm.linear_w4a16(x, w, path=path)
+
+
+def test_host_integer_helpers_equal_tritons():
+    """The launch code's ``cdiv`` / ``next_pow2`` (plain Python: Triton's are constexpr functions that
+    cost microseconds a call from the host) give Triton's answers."""
+    import triton
+
+    from fp4ptq.kernels._ints import cdiv, next_pow2
+
+    for a in range(0, 700):
+        assert next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 2, 3, 16, 128, 255, 256):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for big in (2**31 - 1, 2**31, 2**33 + 5, 57344 * 8192):
+        assert next_pow2(big) == triton.next_power_of_2(big) and cdiv(big, 16) == triton.cdiv(big, 16)

@@ -246,19 +246,25 @@ def test_no_self_test_inside_a_cuda_graph_capture(monkeypatch):
 def test_device_guard_makes_the_tensors_gpu_current(monkeypatch):
     """Triton launches on the current CUDA device, so the dispatch wraps its Triton calls in
     ``_on_device_of(x)``: that makes x's GPU current (a layer on cuda:1 while cuda:0 is
-    current) and leaves CPU tensors alone. (The wrapping itself needs two GPUs to run.)"""
+    current), and leaves CPU tensors and tensors on the current GPU alone (entering the
+    context costs microseconds a layer call). (The wrapping itself needs two GPUs to run.)"""
     from fp4ptq import kernels
 
     entered = []
     monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
-    class OnGPU1:
-        is_cuda = True
-        device = torch.device("cuda", 1)
+    def on_gpu(index):
+        class OnGPU:
+            is_cuda = True
+            device = torch.device("cuda", index)
+        return OnGPU()
 
-    with kernels._on_device_of(OnGPU1()):
+    with kernels._on_device_of(on_gpu(1)):
         pass
     assert entered == [torch.device("cuda", 1)]
+    with kernels._on_device_of(on_gpu(0)):
+        pass
     with kernels._on_device_of(torch.zeros(1)):
         pass
     assert entered == [torch.device("cuda", 1)]

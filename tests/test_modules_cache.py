@@ -247,6 +247,31 @@ def test_no_cache_for_inference_tensors():
     assert layer._decoded[1] is False
 
 
+def test_w4a4_input_amax_is_kept_while_its_scale_is_unchanged():
+    """The W4A4 forward keeps the activations' amax (``6 * 448 / input_global_scale``) instead of
+    dividing on every call, and computes it again whenever the scale buffer is written in place,
+    replaced, moved, or is an inference tensor (no version counter): the outputs always follow it."""
+    layer = make_layer("w4a4", None)
+    layer.decode_cache = False
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)) * 4
+    assert same_bits(layer(x), uncached_reference(layer, x))
+    kept = layer._amax[1]
+    layer(x)
+    assert layer._amax[1] is kept   # not computed again
+    layer.input_global_scale.mul_(2.0)   # in place: a new amax
+    assert same_bits(layer(x), uncached_reference(layer, x)) and layer._amax[1] is not kept
+    layer.load_state_dict(make_layer("w4a4", None, seed=3).state_dict(), assign=True)   # replaced
+    layer.input_global_scale = torch.tensor([500.0])
+    assert same_bits(layer(x), uncached_reference(layer, x))
+    assert float(layer._amax[1]) == pytest.approx(6 * 448 / 500.0)
+    layer.to(torch.float32)
+    assert layer._amax is None
+    with torch.inference_mode():
+        frozen = make_layer("w4a4", None)
+        frozen.decode_cache = False
+        assert same_bits(frozen(x), uncached_reference(frozen, x)) and frozen._amax is None
+
+
 def test_kernels_reference_uses_the_given_decoder_only_off_triton():
     layer = make_layer("w4a4", "mse")
     x = torch.randn(3, 64)

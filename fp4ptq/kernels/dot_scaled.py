@@ -43,6 +43,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from .gemm import _output_scale
+from ._ints import cdiv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "auto": on compute capability >= 10 after the self-test; "0": never
@@ -155,7 +156,7 @@ def matmul(x2: torch.Tensor, x_scale: Optional[torch.Tensor], x_enc: Optional[to
         xs = _interpreter_scales(xs) if fp4_x else None
     enc = weight.global_enc.reshape(1).to(torch.float32)
     bm, bn, bk, group, warps, stages = _config(m, n, k)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _dot_scaled_kernel[grid](
         x2, xs if fp4_x else enc, w, ws, enc, x_enc.reshape(1) if fp4_x else enc,
         bias.contiguous() if bias is not None else enc, y, m, n, k, x2.stride(0), y.stride(0),

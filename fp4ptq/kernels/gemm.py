@@ -69,6 +69,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
+from ._ints import cdiv, next_pow2
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -943,7 +944,7 @@ def _gemv4_config(m: int, n: int, k: int):
     """(BLOCK_N, BLOCK_B, num_warps) of the v4/v5 GEMVs (rows x blocks of 16 a step):
     H200 sweeps (runs 3 and 4), 8 x 128 x 4 warps for N < 16384, 16 x 64 x 2 above."""
     block_n, block_b, warps = (16, 64, 2) if n >= 16384 else (8, 128, 4)
-    return block_n, min(block_b, triton.next_power_of_2(max(1, k // 16))), warps
+    return block_n, min(block_b, next_pow2(max(1, k // 16))), warps
 
 
 def _gemv5_config(m: int, n: int, k: int):
@@ -952,7 +953,7 @@ def _gemv5_config(m: int, n: int, k: int):
     of the session-3 H200 sweep (results/gemv5_sweep_xwords_h200.json); below
     N = 16384 (and for scalar x) v4's configs stay: they tie there."""
     if GEMV5_X_WORDS and n >= 16384:
-        return 8, min(64, triton.next_power_of_2(max(1, k // 16))), 2
+        return 8, min(64, next_pow2(max(1, k // 16))), 2
     return _gemv4_config(m, n, k)
 
 
@@ -982,7 +983,7 @@ def _gemv6_config(m: int, n: int, k: int):
     segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down)."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
-    kbp = triton.next_power_of_2(max(1, seg // 16))
+    kbp = next_pow2(max(1, seg // 16))
     split = k > seg
     if large:
         return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
@@ -1025,10 +1026,10 @@ def _gemv6_segment(k: int, cap: int) -> int:
     div = k & -k  # the largest power of two dividing K
     if div >= 2048:
         return min(div, cap)
-    options = [(1, 16 * triton.next_power_of_2(max(1, k // 16)))] if k <= cap else []
+    options = [(1, 16 * next_pow2(max(1, k // 16)))] if k <= cap else []
     seg = 2048
     while seg <= cap:
-        options.append((triton.cdiv(k, seg), seg))
+        options.append((cdiv(k, seg), seg))
         seg *= 2
     if div >= 256:
         options.append((k // div, div))
@@ -1041,7 +1042,13 @@ def _gemv6_segment(k: int, cap: int) -> int:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter: a grid-stride loop with more than one program
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    """(Asked once per GPU: ``get_device_properties`` costs about 10 us a call on the H200 host.)"""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _RESIDENT: dict = {}
@@ -1056,7 +1063,7 @@ def _resident_programs(args, grid, kwargs, device: torch.device, kernel) -> Opti
     mostly idle second one (measured: 118 us instead of 81 on 70B.gate_up)."""
     if INTERPRET or device.type != "cuda":
         return None
-    key = (kernel.fn.__name__, device.index, args[0].dtype, args[6].dtype, tuple(sorted(kwargs.items())))
+    key = (kernel.fn.__name__, device.index, args[0].dtype, args[6].dtype, tuple(kwargs.items()))  # fixed order
     if key not in _RESIDENT:
         try:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
@@ -1111,7 +1118,7 @@ def _gemv7_config(m: int, n: int, k: int):
     kb = k // 16
     if kb % 128 == 0:
         return 8, 2, 128, 8, True
-    return 8, 4, 256 if triton.cdiv(kb, 256) * 2 <= triton.cdiv(kb, 128) else 128, 8, False
+    return 8, 4, 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128, 8, False
 
 
 def _gemv7_preferred(n: int, k: int) -> bool:
@@ -1134,7 +1141,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
                   KB_C=_const_kb(n, k, rows), num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
-    grid = (max(1, min(triton.cdiv(n, rows), programs)), m)
+    grid = (max(1, min(cdiv(n, rows), programs)), m)
     _gemv_stream_kernel[grid](*args, **kwargs)
     return y
 
@@ -1176,7 +1183,7 @@ GEMV6_MAX_BLOCKS = 1 << 31
 
 
 def _block_offsets_fit(n: int, k: int) -> bool:
-    return n * triton.cdiv(k, BLOCK_SIZE) < GEMV6_MAX_BLOCKS
+    return n * cdiv(k, BLOCK_SIZE) < GEMV6_MAX_BLOCKS
 
 
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
@@ -1185,7 +1192,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     K in segments (config) through an fp32 workspace and a summing pass. Shapes
     ``_gemv7_config`` names run the streamed-x GEMV instead."""
     if not _block_offsets_fit(n, k):
-        raise ValueError(f"gemv6: a {n} x {k} weight has {n * triton.cdiv(k, BLOCK_SIZE)} blocks, more than its "
+        raise ValueError(f"gemv6: a {n} x {k} weight has {n * cdiv(k, BLOCK_SIZE)} blocks, more than its "
                          f"32-bit offsets address ({GEMV6_MAX_BLOCKS}); use path 'gemv4' or 'mma'")
     if amax is None:
         cfg7 = _gemv7_config(m, n, k)
@@ -1194,11 +1201,11 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     rows, warps, per_sm, seg, prefetch = _gemv6_config(m, n, k)
     if seg % 16:
         raise ValueError(f"gemv6: K segment {seg} is not a whole number of 16-blocks")
-    segments = triton.cdiv(k, seg)
-    kbp = triton.next_power_of_2(max(1, seg // 16))
+    segments = cdiv(k, seg)
+    kbp = next_pow2(max(1, seg // 16))
     if segments > 1 and kbp != seg // 16:
         raise ValueError(f"gemv6: a K segment ({seg}) must be a power-of-two number of blocks")
-    tiles = triton.cdiv(n, rows)
+    tiles = cdiv(n, rows)
     quant = amax is not None
     split = segments > 1
     target = split_workspace(segments, y)
@@ -1212,7 +1219,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
-    grid = (max(1, min(tiles, triton.cdiv(programs, segments))), m, segments)
+    grid = (max(1, min(tiles, cdiv(programs, segments))), m, segments)
     _gemv_resident_kernel[grid](*args, **kwargs)
     return sum_splits(target, y, bias_arg if has_bias else None)
 
@@ -1231,7 +1238,7 @@ def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tenso
         return y
     splits, m, n = target.shape
     block = 1024
-    _gemv_split_finish[(triton.cdiv(n, block), m)](target, bias if bias is not None else y, y, m, n, splits,
+    _gemv_split_finish[(cdiv(n, block), m)](target, bias if bias is not None else y, y, m, n, splits,
                                                    y.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
                                                    num_warps=4)
     return y
@@ -1240,7 +1247,7 @@ def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tenso
 def _gemv_config(m: int, n: int, k: int):
     """(BLOCK_N, BLOCK_W, num_warps): one-warp programs of 4 rows for wide
     layers, 4-warp programs of 16 rows for narrow ones (H200 sweeps)."""
-    block_w = min(64, triton.next_power_of_2(max(1, k // 8)))
+    block_w = min(64, next_pow2(max(1, k // 8)))
     return (4, block_w, 1) if n > 4096 else (16, block_w, 4)
 
 
@@ -1251,8 +1258,8 @@ def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = F
     if unit_global:
         enc = torch.ones_like(enc)
     out = torch.empty(n, k, dtype=dtype, device=words.device)
-    block_n, block_b = 32, min(16, triton.next_power_of_2(max(1, k // 16)))
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k // 16, block_b))
+    block_n, block_b = 32, min(16, next_pow2(max(1, k // 16)))
+    grid = (cdiv(n, block_n), cdiv(k // 16, block_b))
     if n and k:
         _dequant_kernel[grid](words, sbits, enc, out.view(torch.int16) if dtype == torch.bfloat16 else out, n, k,
                               BLOCK_N=block_n, BLOCK_B=block_b, OUT_BF16=dtype == torch.bfloat16, num_warps=4,
@@ -1449,7 +1456,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             "X_WORDS": (GEMV5_X_WORDS and x2.dtype == torch.bfloat16 and x2.data_ptr() % 8 == 0
                         and x2.stride(0) % 4 == 0),
         }
-        kern[(triton.cdiv(n, block_n), m)](
+        kern[(cdiv(n, block_n), m)](
             x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k,  # [N, K/16] blocks
             x2.stride(0), y.stride(0), HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n,
             BLOCK_B=block_b, EVEN_K=(k // 16) % block_b == 0, ALIGNED=k % 256 == 0, num_warps=warps, **extra,
@@ -1457,7 +1464,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         return y
     if path == "gemv":
         block_n, block_w, warps = _gemv_config(m, n, k)
-        grid = (triton.cdiv(n, block_n), m)
+        grid = (cdiv(n, block_n), m)
         _gemv_kernel[grid](
             x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
             HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_N=block_n, BLOCK_W=block_w,
@@ -1468,7 +1475,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         raise ValueError(f"unknown GEMM path {path!r}")
     bm, bn, bk, group, warps, stages, *rest = _gemm_config(m, n, k)
     swap = bool(rest and rest[0])
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _gemm_kernel[grid](
         x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,

@@ -45,10 +45,11 @@ import warnings
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from ._ints import cdiv, next_pow2
 
 # A word of 8 codes -> four 16-bit-float pairs, register p = codes (p, p + 4). Code i sits at bits
 # 4i..4i+3 (sign = bit 3). bf16: its magnitude goes to bits 6..8 of its half (shift 6 - 4i), the half
@@ -315,7 +316,7 @@ def config(m: int, n: int, k: int, sms: int = 132):
     weights), for M > 16 K steps of 64 on 2 warps (the activation operand
     grows with M); K split until the grid has about three programs per SM,
     keeping 1024 K or more a program."""
-    bm = max(8, triton.next_power_of_2(m))
+    bm = max(8, next_pow2(m))
     if bm <= 16:
         small = n * k <= 6144 * 4096
         bn, warps = (64, 2) if small else (128, 4)
@@ -332,14 +333,14 @@ def k_split(n: int, k: int, bn: int, bk: int, sms: int = 132) -> int:
     Qwen2-72B's K = 29568 ran on 64 programs) and K > 1024, K is cut into ranges of
     whole K steps instead, 512 K or more, for about three programs an SM; the last
     range may be shorter (``cdiv(K, K per program)`` programs)."""
-    tiles = triton.cdiv(n, bn)
+    tiles = cdiv(n, bn)
     split = 1
     while tiles * split < 3 * sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
             and k // (split * 2) >= 1024:
         split *= 2
     if tiles * split >= sms or k <= 1024:  # (K = 576 layers: the summing launch costs more than it saves)
         return k // split
-    per = triton.cdiv(triton.cdiv(k, triton.cdiv(3 * sms, tiles)), bk) * bk
+    per = cdiv(cdiv(k, cdiv(3 * sms, tiles)), bk) * bk
     return min(k, max(512, per))
 
 
@@ -373,10 +374,10 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
     wl, sl, xl, sc, xc = _LAYOUTS[key]
-    splits = triton.cdiv(k, k_split)
+    splits = cdiv(k, k_split)
     target = split_workspace(splits, y)
     has_bias = bias is not None
-    _mma_kernel[(triton.cdiv(n, bn), splits)](
+    _mma_kernel[(cdiv(n, bn), splits)](
         x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),

@@ -57,6 +57,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from ._ints import cdiv, next_pow2
 
 # Four Over Six rule -> kernel constant (0: standard scale-to-6 only).
 FOUR_SIX_CODES = {None: 0, "mse": 1, "mae": 2, "max": 3}
@@ -843,8 +844,8 @@ def _quantize16_kernel(
 
 def _tile(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCKS_K, num_warps) for an [m, k] input: about 4K elements a program."""
-    blocks_k = min(32, triton.next_power_of_2(max(1, k // 16)))
-    block_m = max(1, min(triton.next_power_of_2(m), 256 // blocks_k))
+    blocks_k = min(32, next_pow2(max(1, k // 16)))
+    block_m = max(1, min(next_pow2(m), 256 // blocks_k))
     return block_m, blocks_k, 4
 
 
@@ -855,8 +856,8 @@ def _tile16(m: int, k: int) -> tuple[int, int, int]:
     if forced:
         bm, bk, w = (int(v) for v in forced.split(","))
         return bm, bk, w
-    blocks_k = min(128, triton.next_power_of_2(max(1, k // 16)))
-    block_m = max(1, min(triton.next_power_of_2(m), 128 // blocks_k))
+    blocks_k = min(128, next_pow2(max(1, k // 16)))
+    block_m = max(1, min(next_pow2(m), 128 // blocks_k))
     return block_m, blocks_k, 4
 
 
@@ -994,8 +995,8 @@ def launch_quantize(
         enc = torch.empty((), dtype=torch.float32, device=dev)
         dummy = enc
         block_m, blocks_k, warps = _tile16(m, k)
-        n_ktiles = triton.cdiv(k // BLOCK_SIZE, blocks_k)
-        n_tiles = triton.cdiv(m, block_m) * n_ktiles
+        n_ktiles = cdiv(k // BLOCK_SIZE, blocks_k)
+        n_tiles = cdiv(m, block_m) * n_ktiles
         use_table = _use_table(n_tiles, emit, four_six)
         if use_table:
             grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
@@ -1019,7 +1020,7 @@ def launch_quantize(
         enc = torch.empty((), dtype=torch.float32, device=dev)
         dummy = enc  # pointer for outputs this launch does not write
         block_m, blocks_k, warps = _tile(m, k)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(k // BLOCK_SIZE, blocks_k))
+        grid = (cdiv(m, block_m), cdiv(k // BLOCK_SIZE, blocks_k))
         if m and k:
             _quantize_kernel[grid](
                 x, amax, enc,

@@ -49,13 +49,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._ints import cdiv
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
                   _index, _layouts, _sync, aligned_operands, decide_once, decode_line, product_check, sm90_reason,
                   stop_using, store_output)
@@ -282,14 +282,14 @@ def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int = 132) -
     stops short of one program an SM (K not divisible that way), ranges of
     whole step pairs, 512 K or more, for about one program an SM, the last one
     possibly shorter (``cdiv(K, K per program)`` programs)."""
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    tiles = cdiv(n, bn) * cdiv(m, bm)
     split = 1
     while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % (2 * bk) == 0 \
             and k // (split * 2) >= 512:
         split *= 2
     if tiles * split >= sms or k // split <= 512:
         return k // split
-    per = triton.cdiv(triton.cdiv(k, triton.cdiv(sms, tiles)), 2 * bk) * 2 * bk
+    per = cdiv(cdiv(k, cdiv(sms, tiles)), 2 * bk) * 2 * bk
     return min(k, max(512, per))
 
 
@@ -353,10 +353,10 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
     wl, sl, xl, sc = _LAYOUTS[key]
-    splits = triton.cdiv(k, ks)
+    splits = cdiv(k, ks)
     target = split_workspace(splits, y)
     has_bias = bias is not None
-    _wgmma_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+    _wgmma_kernel[(cdiv(n, bn), cdiv(m, bm), splits)](
         x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks,
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait), FENCE=_FENCE,

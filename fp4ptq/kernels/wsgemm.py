@@ -59,12 +59,12 @@ import heapq
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._ints import cdiv
 from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, aligned_operands, decide_once,
                   decode_line, product_check, sm90_reason, stop_using)
 
@@ -396,7 +396,7 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     wave would leave SMs idle (Llama-3.1 8B qkv at M = 1024: 192 tiles on 132 SMs). ``fill``: the
     work over the SMs' time with the summing counted as SM time (for whole tiles, the wave fill)."""
     bm, bn, bk = cfg[:3]
-    num_m, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    num_m, n_tiles = cdiv(m, bm), cdiv(n, bn)
     tiles, steps = num_m * n_tiles, k // bk
     group = max(1, 256 // bk)  # K steps a scale group covers
     best, best_summing = (tiles, 1, steps, n_tiles), 0.0  # whole tiles
@@ -405,8 +405,8 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
         nt0 = min(n_tiles, full_waves * sms // num_m)
         full = nt0 * num_m
         for splits in range(2, MAX_SPLITS + 1):
-            chunk = triton.cdiv(triton.cdiv(steps, splits), group) * group
-            parts = triton.cdiv(steps, chunk)
+            chunk = cdiv(cdiv(steps, splits), group) * group
+            parts = cdiv(steps, chunk)
             if full == tiles or parts < 2 or chunk < MIN_PART_STEPS:
                 continue
             # the partial sums written and read in fp32, the output written once
@@ -452,6 +452,12 @@ def check_config(cfg: tuple) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, cols: int, dtype):
+    """The TMA tile's shared layout (built once: Gluon's layout objects cost tens of us each in eager calls)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
            cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
@@ -479,14 +485,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
         sbits = sbits.contiguous()
     gdt = gl.float16 if x2.dtype == torch.float16 else gl.bfloat16
-    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
-    w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8],
-                                          gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
-    s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], _smem_layout(bm, bk, gdt))
+    w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8], _smem_layout(bn, bk // 8, gl.int32))
+    s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], _smem_layout(bn, 16, gl.uint8))
     has_bias = bias is not None
     from .gemm import _sm_count, sum_splits
 
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     full, splits, chunk, nt0, _ = plan(m, n, k, _sm_count(x2.device), cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
