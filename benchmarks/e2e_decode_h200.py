@@ -177,36 +177,69 @@ def kernel_error(d: Decoder) -> dict:
     out = {f"hidden_rel_err_block{i}": rel(ours.hidden_states[i][:, -1], ref.hidden_states[i][:, -1])
            for i in sorted({1, min(8, hs), min(16, hs), hs})}
     out["logits_rel_err_vs_reference_backend"] = rel(ours.logits[:, -1], ref.logits[:, -1])
+    # the baseline: the reference backend against itself with the embeddings moved by one bf16 ulp at
+    # random places (1 in 16), the size of difference that rounding in another order makes
+    emb = d.model.get_input_embeddings()
+    gen = torch.Generator(device=dev).manual_seed(2)
+
+    def nudge(module, args, output):
+        flip = torch.rand(output.shape, generator=gen, device=output.device) < 1 / 16
+        return torch.where(flip, output * (1 + 2.0 ** -7), output)
+
+    handle = emb.register_forward_hook(nudge)
+    try:
+        with reference_backend():
+            moved = d.prefill(hidden=True)
+    finally:
+        handle.remove()
+    for i in (1, hs):
+        out[f"nudged_reference_hidden_rel_err_block{i}"] = rel(moved.hidden_states[i][:, -1], ref.hidden_states[i][:, -1])
     out["next_token_agreement_vs_reference_backend"] = float(
         (ours.logits[:, -1].argmax(-1) == ref.logits[:, -1].argmax(-1)).float().mean())
     return out
 
 
-KINDS = (("fp4ptq", ("_gemv", "_mma", "_ws_kernel", "_wgmma", "_gemm_kernel", "quant", "_dequant", "split")),
-         ("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+def our_kernel_names() -> tuple:
+    """The names of fp4ptq's Triton and Gluon kernels (what the profiler calls their launches)."""
+    import importlib
+
+    names = set()
+    for mod in ("gemm", "quantize_kernel", "mma", "wgmma", "wsgemm", "dot_scaled"):
+        try:
+            module = importlib.import_module(f"fp4ptq.kernels.{mod}")
+        except Exception:  # noqa: BLE001 - Gluon missing here
+            continue
+        names.update(name for name, obj in vars(module).items() if hasattr(obj, "fn") and hasattr(obj, "run"))
+    return tuple(sorted(names, key=len, reverse=True))
+
+
+KINDS = (("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
          ("attention", ("flash", "fmha", "attention", "efficient", "softmax")))
 
 
-def kernel_breakdown(d: Decoder) -> dict:
-    """GPU time of one eager decode step by kind of kernel (torch.profiler): where a token's time goes."""
+def kernel_breakdown(fn, prefix: str = "") -> dict:
+    """GPU time of one eager call of ``fn`` by kind of kernel (torch.profiler): where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    d.prefill()
-    d.step()
+    ours = our_kernel_names()
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        d.step()
+        fn()
         torch.cuda.synchronize()
     totals, counts = {}, {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if not us or e.count == 0:
+        if not us or e.count == 0 or e.key.startswith("cuda") or "Memcpy" in e.key or "Memset" in e.key:
             continue
         name = e.key.lower()
-        kind = next((k for k, keys in KINDS if any(t.lower() in name for t in keys)), "other")
+        if any(e.key.startswith(o) for o in ours):
+            kind = "fp4ptq"
+        else:
+            kind = next((k for k, keys in KINDS if any(t in name for t in keys)), "other")
         totals[kind] = totals.get(kind, 0.0) + us / 1e3
         counts[kind] = counts.get(kind, 0) + e.count
-    return {"kernel_ms_by_kind": totals, "kernels_by_kind": counts}
+    return {f"{prefix}kernel_ms_by_kind": totals, f"{prefix}kernels_by_kind": counts}
 
 
 def run_model(model, label: str, ref_logits: dict) -> dict:
@@ -227,12 +260,17 @@ def run_model(model, label: str, ref_logits: dict) -> dict:
             if label != "bf16" and batch == BATCHES[0]:
                 row.update(kernel_error(d))
             eager_tokens, eager_first = decode_tokens(d, d.step, CHECK_STEPS)  # also the capture's warmup
+            again_tokens, again_first = decode_tokens(d, d.step, CHECK_STEPS)
+            row["eager_repeat_first_step_logits_equal"] = torch.equal(again_first, eager_first)
+            row["eager_repeat_tokens_agreement"] = float((again_tokens == eager_tokens).float().mean())
             row["eager_decode_ms"] = timed(d.step, 16)
             if dev.type != "cuda":
                 out["batches"][batch] = row
                 continue
             if batch == BATCHES[0]:
-                row.update(kernel_breakdown(d))
+                d.prefill()
+                row.update(kernel_breakdown(d.step))
+                row.update(kernel_breakdown(d.prefill, "prefill_"))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -264,6 +302,8 @@ def compiled_decode(model) -> dict:
     torch._dynamo.reset()
     d = Decoder(model, 1)
     eager_tokens, eager_first = decode_tokens(d, d.step, CHECK_STEPS)
+    for t in (d.tok, d.logits):  # the step writes them in place: static, so the CUDA graph may keep them
+        torch._dynamo.mark_static_address(t)
     t0 = time.time()
     step = torch.compile(d.step, mode="reduce-overhead")
     tokens, first = decode_tokens(d, step, CHECK_STEPS)
@@ -340,9 +380,10 @@ def report(res: dict) -> str:
             lines.append(f"| {m['scheme']} | {m['gpu_bytes'] / 1e9:.2f} GB | {b} | {r['prefill_ms']:.1f} | "
                          f"{r['eager_decode_ms']:.2f} | {r['graph_decode_ms']:.3f} | {r['tokens_per_s']:.0f} | {speed} | "
                          f"{'' if err is None else f'{err:.3f}'} |")
-    lines += ["", "| model | B | first step: graph = eager | graph tokens = eager | kernels vs reference backend: "
-              "block 1 / last block / logits | GPU ms of one step: NVFP4 kernels / cuBLAS / attention / other |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| model | B | eager again = eager (first step, tokens) | first step: graph = eager | "
+              "graph tokens = eager | kernels vs reference backend: block 1 / last block / logits | the reference "
+              "against itself, embeddings nudged: block 1 / last block | GPU ms of a decode step / of the prefill: "
+              "NVFP4 kernels / cuBLAS / attention / other |", "|---|---|---|---|---|---|---|---|"]
     for m in res["models"]:
         for b, r in m["batches"].items():
             if "graph_decode_ms" not in r:
@@ -350,11 +391,18 @@ def report(res: dict) -> str:
             blocks = sorted((k for k in r if k.startswith("hidden_rel_err_block")), key=lambda k: int(k[20:]))
             kern = (f"{r[blocks[0]]:.1e} / {r[blocks[-1]]:.1e} / {r['logits_rel_err_vs_reference_backend']:.1e}"
                     if blocks else "")
-            kinds = r.get("kernel_ms_by_kind")
-            split = " / ".join(f"{kinds.get(k, 0):.2f}" for k in ("fp4ptq", "cublas", "attention", "other")) if kinds else ""
-            lines.append(f"| {m['scheme']} | {b} | {r['graph_first_step_logits_equal_eager']} "
-                         f"({r['graph_first_step_logits_rel_diff']:.1e}) | {r['graph_tokens_agreement_with_eager']:.0%} | "
-                         f"{kern} | {split} |")
+            nudged = sorted((k for k in r if k.startswith("nudged_reference_hidden_rel_err_block")),
+                            key=lambda k: int(k[37:]))
+            base_err = " / ".join(f"{r[k]:.1e}" for k in nudged)
+            splits = []
+            for prefix in ("", "prefill_"):
+                kinds = r.get(f"{prefix}kernel_ms_by_kind")
+                if kinds:
+                    splits.append(" / ".join(f"{kinds.get(k, 0):.2f}" for k in ("fp4ptq", "cublas", "attention", "other")))
+            lines.append(f"| {m['scheme']} | {b} | {r.get('eager_repeat_first_step_logits_equal')}, "
+                         f"{r.get('eager_repeat_tokens_agreement', float('nan')):.0%} | "
+                         f"{r['graph_first_step_logits_equal_eager']} ({r['graph_first_step_logits_rel_diff']:.1e}) | "
+                         f"{r['graph_tokens_agreement_with_eager']:.0%} | {kern} | {base_err} | {'; '.join(splits)} |")
     for m in res["models"]:
         c = m.get("compiled_b1")
         if c and "error" not in c:
