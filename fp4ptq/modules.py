@@ -243,7 +243,9 @@ class NVFP4Linear(nn.Module):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # one opaque op: no graph break, no Python traced per launch
+        # compiled: one opaque op (no graph break, no Python traced per launch); it has no backward, so
+        # a graph that needs x's gradient traces the eager code instead (the reference path has one)
+        if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
         weight = self.quantized_weight()
