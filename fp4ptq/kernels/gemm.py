@@ -1239,8 +1239,8 @@ def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tenso
     splits, m, n = target.shape
     block = 1024
     _gemv_split_finish[(cdiv(n, block), m)](target, bias if bias is not None else y, y, m, n, splits,
-                                                   y.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-                                                   num_warps=4)
+                                            y.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
+                                            num_warps=4)
     return y
 
 
