@@ -34,6 +34,9 @@ from .nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
 SCHEMES = ("w4a16", "w4a4")
 DECODE_CACHE_ENV = "FP4PTQ_DECODE_CACHE"
+# Eager CUDA calls go through launch plans kept per input shape (kernels.linear_plan); "0" turns them off.
+LAUNCH_PLANS = os.environ.get("FP4PTQ_LAUNCH_PLANS", "1") != "0"
+MAX_PLANS = 32  # input signatures kept per module (prefill of varying lengths adds one each)
 _WEIGHT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
@@ -93,6 +96,8 @@ class NVFP4Linear(nn.Module):
     decode_cache: Optional[bool] = None
     _decoded = None
     _amax = None  # (input_global_scale's state, its amax) for W4A4 forwards
+    _plans = None  # {input signature: plan or None}, for the buffers in _plan_sources
+    _plan_sources = None
 
     def __init__(
         self,
@@ -225,6 +230,24 @@ class NVFP4Linear(nn.Module):
         self._decoded = (tuple(_buffer_state(t) for t in buffers), inference, dtype, decoded)
         return decoded
 
+    def _plan(self, x: torch.Tensor):
+        """The launch plan of eager calls shaped like ``x`` (``kernels.linear_plan``; None where there is
+        none), built at the first such call and kept while the buffers are the same tensors at the same
+        addresses (plans hold views of them; in-place writes are read by the next launch)."""
+        bias = self._parameters.get("bias")
+        buffers = self._buffers
+        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias)
+        sources = tuple(id(t) for t in held) + tuple(t.data_ptr() for t in held if t is not None)
+        plans = self._plans
+        if plans is None or sources != self._plan_sources or len(plans) >= MAX_PLANS:
+            plans = self._plans = {}  # (views of replaced buffers go with the old plans)
+            self._plan_sources = sources
+        key = (x.shape, x.stride(), x.dtype, x.device)
+        if key in plans:
+            return plans[key]
+        plan = plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias)
+        return plan
+
     def clear_decode_cache(self) -> None:
         """Drop the decoded weight (the next reference forward decodes again)."""
         self._decoded = None
@@ -234,12 +257,14 @@ class NVFP4Linear(nn.Module):
         # follow the module to CUDA).
         self._decoded = None
         self._amax = None
+        self._plans = None
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_decoded"] = None   # weak references do not pickle, and the copy is derived data
         state["_amax"] = None
+        state["_plans"] = None
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,6 +273,11 @@ class NVFP4Linear(nn.Module):
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
+        if x.is_cuda and LAUNCH_PLANS and self.scheme == "w4a16":
+            plan = self._plan(x)
+            y = plan(x) if plan is not None else None
+            if y is not None:
+                return y
         weight = self.quantized_weight()
         decoded = None
         if self._caches_decode():

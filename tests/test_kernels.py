@@ -312,6 +312,88 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
         gm.linear_w4a16(x.half(), wq, path="gemv6")
 
 
+@interpreted
+@pytest.mark.parametrize("lead,n,k,with_bias,gemv7", [
+    ((1,), 24, 1024, False, False),    # one segment
+    ((2,), 24, 768, True, False),      # split K (3 x 256): the workspace and the summing launch
+    ((1, 1), 16, 768, False, False),   # a 3-D input, split without a bias
+    ((2,), 12, 1040, True, True),      # the streamed-x GEMV
+])
+def test_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, lead, n, k, with_bias, gemv7):
+    """``linear_plan``: the dispatch's launches decided once for inputs shaped alike, called again and
+    again with other inputs of that shape, gives ``linear_w4a16``'s bits every time; an input whose
+    address the GEMV's 8-byte loads cannot use is refused (None: the dispatch copies it)."""
+    _, gm = tk
+    monkeypatch.setattr(gm, "GEMV7", "1" if gemv7 else "0")
+    wq = _weight(n, k, seed=n)
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    g = torch.Generator().manual_seed(k)
+    xs = [torch.randn(*lead, k, generator=g).bfloat16() for _ in range(4)]
+    plan = gm.linear_plan(xs[0], wq, bias)
+    assert plan is not None
+    for x in xs + xs[:1]:
+        y = plan(x)
+        assert y.shape == (*lead, n)
+        assert torch.equal(y, gm.linear_w4a16(x, wq, bias))
+    buf = torch.randn(xs[0].numel() + 1, generator=g).bfloat16()
+    assert plan(buf[1:].view(xs[0].shape)) is None
+    assert kernels.linear_plan(xs[0], wq, bias) is None  # "auto" on a CPU tensor: the reference backend
+    assert kernels.linear_plan(xs[0], wq, bias, backend="triton") is not None
+    with pytest.raises(BackendUnavailable):
+        kernels.linear_plan(xs[0].float(), wq, bias, backend="triton")
+
+
+@interpreted
+def test_launch_plan_is_none_where_the_path_is_not_planned(tk):
+    _, gm = tk
+    wq = _weight(24, 1024, seed=3)
+    x = torch.randn(1, 1024).bfloat16()
+    assert gm.linear_plan(x.half(), wq) is None            # fp16 at M = 1: gemv4
+    assert gm.linear_plan(torch.randn(5, 1024).bfloat16(), wq) is None  # M = 5 here: the tiled GEMM
+    assert gm.linear_plan(torch.randn(1, 2048).bfloat16()[:, ::2], wq) is None  # a strided K
+    assert gm.linear_plan(x[:, :0].reshape(1, 0), _weight(24, 16, seed=1)) is None
+
+
+@interpreted
+def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
+    """NVFP4Linear's plans (one per input signature): kept across calls and in-place writes (the
+    launches read the new contents), rebuilt when a buffer is replaced or re-pointed, dropped by
+    ``.to()`` and pickling, and bounded in number."""
+    import copy
+
+    from fp4ptq import modules
+
+    real = kernels.linear_plan
+    monkeypatch.setattr(modules.kernels, "linear_plan", lambda x, w, b: real(x, w, b, backend="triton"))
+    n, k = 24, 1024
+    wq, wq2 = _weight(n, k, seed=1), _weight(n, k, seed=2)
+    mod = modules.NVFP4Linear.from_quantized(wq, dtype=torch.bfloat16, bias=torch.randn(n))
+    x = torch.randn(1, k).bfloat16()
+    _, gm = tk
+
+    def dispatch():
+        return gm.linear_w4a16(x, mod.quantized_weight(), mod.bias)
+
+    plan = mod._plan(x)
+    assert plan is not None and mod._plan(x) is plan and torch.equal(plan(x), dispatch())
+    mod.weight_packed.copy_(wq2.packed)  # in place (load_state_dict does this): same plan, new weights
+    mod.weight_scale.copy_(wq2.block_scale)
+    assert mod._plan(x) is plan and torch.equal(plan(x), dispatch())
+    mod.weight_packed = wq.packed.clone()  # a replaced buffer
+    replanned = mod._plan(x)
+    assert replanned is not plan and torch.equal(replanned(x), dispatch())
+    mod.weight_scale.data = wq.block_scale.clone()  # re-pointed under the same tensor
+    assert mod._plan(x) is not replanned and torch.equal(mod._plan(x)(x), dispatch())
+    assert mod._plan(x.view(1, 1, k)) is not mod._plan(x)  # another signature
+    assert len(mod._plans) == 2
+    assert copy.deepcopy(mod)._plans is None
+    monkeypatch.setattr(modules, "MAX_PLANS", 2)
+    mod._plan(torch.randn(2, k).bfloat16())
+    assert len(mod._plans) == 1  # bounded: the old ones go
+    mod.to("cpu")
+    assert mod._plans is None
+
+
 def _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, config_name, config_for):
     """``linear_w4a16(x, wq, bias)`` on path gemv6 with ``gm.<config_name>`` set to ``config_for(prefetch)``
     for prefetch off and on: each written into a poisoned ``out``, within the GEMV tolerance of the

@@ -134,6 +134,25 @@ def linear_w4a16(
     return torch.nn.functional.linear(x, w_hat, bias)
 
 
+def linear_plan(
+    x: torch.Tensor,
+    weight: NVFP4Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "auto",
+):
+    """``linear_w4a16``'s launches decided once for inputs shaped like ``x``: a callable
+    ``plan(x) -> y`` (None for a call it cannot take), or None where the backend is not Triton or
+    the path is not planned (``gemm.linear_plan``). For callers that repeat a call shape (eager
+    decoding): a planned call skips the shape rules and, from its third call, Triton's binder."""
+    if _pick(backend, x, "linear_w4a16", weight) != "triton":
+        return None
+    from . import gemm
+
+    with _on_device_of(x):
+        return gemm.linear_plan(x, weight, bias)
+
+
 def linear_w4a4(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -161,4 +180,4 @@ def linear_w4a4(
     return y if bias is None else y + bias
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
+__all__ = ["BACKENDS", "BackendUnavailable", "linear_plan", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]

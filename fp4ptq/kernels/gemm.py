@@ -70,6 +70,7 @@ from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
 from ._ints import cdiv, next_pow2
+from ._launch import Launch
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -1132,8 +1133,9 @@ def _gemv7_preferred(n: int, k: int) -> bool:
     return n * k >= 1 << 25 and k > _gemv6_segment(k, 8192 if large else 4096)
 
 
-def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg):
-    """Launch the streamed-x GEMV (whole rows a program, no K split)."""
+def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg, slots=(0, 6)):
+    """The streamed-x GEMV's launch (whole rows a program, no K split): a ``Launch`` called with the
+    arguments at ``slots`` (x and y; the activations' global scale too in a W4A4 plan)."""
     rows, warps, kc, per_sm, prefetch = cfg
     kb = k // 16
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
@@ -1142,8 +1144,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   KB_C=_const_kb(n, k, rows), num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(cdiv(n, rows), programs)), m)
-    _gemv_stream_kernel[grid](*args, **kwargs)
-    return y
+    return Launch(_gemv_stream_kernel, grid, args, slots, kwargs)
 
 
 # gemv6 / gemv7 built for the layer's K (K/16 a compile-time constant) where N is whole row tiles: a thread's
@@ -1187,17 +1188,19 @@ def _block_offsets_fit(n: int, k: int) -> bool:
 
 
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
-           four_six=None):
-    """Launch the resident-x GEMV (``amax``: quantize x in the kernel, W4A4);
-    K in segments (config) through an fp32 workspace and a summing pass. Shapes
-    ``_gemv7_config`` names run the streamed-x GEMV instead."""
+           four_six=None, slots=(0, 6)):
+    """The resident-x GEMV's launches (``amax``: quantize x in the kernel, W4A4), K in segments
+    (config) through an fp32 workspace and a summing pass: a callable ``run(*tensors) -> y`` taking
+    the arguments at ``slots`` (x and y; the activations' global scale too in a W4A4 plan; y last).
+    Shapes ``_gemv7_config`` names run the streamed-x GEMV instead."""
     if not _block_offsets_fit(n, k):
         raise ValueError(f"gemv6: a {n} x {k} weight has {n * cdiv(k, BLOCK_SIZE)} blocks, more than its "
                          f"32-bit offsets address ({GEMV6_MAX_BLOCKS}); use path 'gemv4' or 'mma'")
     if amax is None:
         cfg7 = _gemv7_config(m, n, k)
         if cfg7 is not None:
-            return _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg7)
+            return split_run(_gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg7,
+                                    slots), 1, y, None)
     rows, warps, per_sm, seg, prefetch = _gemv6_config(m, n, k)
     if seg % 16:
         raise ValueError(f"gemv6: K segment {seg} is not a whole number of 16-blocks")
@@ -1220,8 +1223,8 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
     grid = (max(1, min(tiles, cdiv(programs, segments))), m, segments)
-    _gemv_resident_kernel[grid](*args, **kwargs)
-    return sum_splits(target, y, bias_arg if has_bias else None)
+    launch = Launch(_gemv_resident_kernel, grid, args, slots, kwargs)
+    return split_run(launch, segments, y, bias_arg if has_bias else None)
 
 
 def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
@@ -1231,16 +1234,45 @@ def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
     return torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
 
 
+def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
+    """The summing pass of a split-K launch as a callable ``finish(target, y)``: ``y = sum of the
+    ``split_workspace``'s partial sums in split order (+ bias)``."""
+    m, n = y.shape
+    block = 1024
+    launch = Launch(_gemv_split_finish, (cdiv(n, block), m), (None, bias, None, m, n, splits, y.stride(0)),
+                    (0, 1, 2) if bias is None else (0, 2), dict(HAS_BIAS=bias is not None, BLOCK=block, num_warps=4))
+    if bias is not None:
+        return launch
+
+    def finish(target, y):
+        launch(target, y, y)  # (no bias: y stands in for its pointer)
+    return finish
+
+
+def split_run(launch: Launch, splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
+    """``run(*tensors) -> y`` of a ``launch`` whose last slot is its output (y last among the tensors):
+    written into y directly, or, K split, into a fresh ``split_workspace`` summed into y (+ bias)."""
+    if splits == 1:
+        def run(*tensors):
+            launch(*tensors)
+            return tensors[-1]
+        return run
+    finish = split_finish(splits, y, bias)
+
+    def run_split(*tensors):
+        y = tensors[-1]
+        target = split_workspace(splits, y)
+        launch(*tensors[:-1], target)
+        finish(target, y)
+        return y
+    return run_split
+
+
 def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``y = sum of target's partial sums in split order (+ bias)`` when ``target`` is a
     ``split_workspace``; nothing to do when the launch wrote ``y`` directly."""
-    if target is y:
-        return y
-    splits, m, n = target.shape
-    block = 1024
-    _gemv_split_finish[(cdiv(n, block), m)](target, bias if bias is not None else y, y, m, n, splits,
-                                            y.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-                                            num_warps=4)
+    if target is not y:
+        split_finish(target.shape[0], y, bias)(target, y)
     return y
 
 
@@ -1446,7 +1478,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             if x2.data_ptr() % 8 or x2.stride(0) % 4:  # x is read as 8-byte words
                 x2 = x2.clone(memory_format=torch.contiguous_format)
         return _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, amax=amax,
-                      four_six=four_six)
+                      four_six=four_six)(x2, y)
     if path in ("gemv4", "gemv5"):
         block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
@@ -1536,3 +1568,51 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
 
 
 __all__ = ["dequantize", "linear_w4a16", "linear_w4a4"]
+
+
+# --------------------------------------------------------------------------- #
+# Launch plans: a layer's launches decided once for inputs shaped alike
+# --------------------------------------------------------------------------- #
+def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None):
+    """The W4A16 launches of ``linear_w4a16(x, weight, bias)`` decided once for inputs shaped like
+    ``x`` (shape, strides, dtype, device): a callable ``plan(x) -> y``, which returns None for an
+    input it cannot take (another device current, an activation address the kernel's vector loads
+    cannot use: the dispatch then takes that call), or None where the path is not planned (paths
+    other than gemv6 / gemv7 and mma, operands the dispatch would copy). A plan holds views of the
+    weight's buffers and its launches (``Launch``), which replay without Triton's binder from the
+    third call; it gives the dispatch's bits. Eager decoding calls every layer once a token with the
+    same shapes: ``NVFP4Linear`` keeps its plans (``modules.py``)."""
+    n, k, words, sbits, enc = _weight_views(weight)
+    lead = x.shape[:-1]
+    if (words.data_ptr() != weight.packed.data_ptr() or sbits.data_ptr() % 16 or enc.dtype != weight.global_enc.dtype
+            or x.shape[-1] != k or x.dtype not in (torch.bfloat16, torch.float16) or n == 0 or x.numel() == 0):
+        return None  # operands the dispatch would copy on every call (or nothing to launch)
+    try:
+        x2 = x.view(-1, k)  # (what each call does: inputs shaped alike are views alike)
+    except RuntimeError:
+        return None
+    m = x2.shape[0]
+    if x2.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+        return None
+    device = x.device
+    path = _auto_path(m, x2.dtype, False, k, device, n)
+    y = torch.empty(m, n, dtype=x2.dtype, device=device)
+    bias_arg = bias if bias is not None else enc
+    if path == "gemv6" and x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0:
+        align = 8  # x read as 8-byte words
+        run = _gemv6(x2, words, sbits, enc, enc, bias_arg, y, m, n, k, bias is not None, None)
+    elif path == "mma" and x2.stride(0) % 8 == 0:
+        from . import mma
+
+        align = 16  # 16-byte copies of x
+        run = mma.launches(x2, words, sbits, enc, None, bias, y)
+    else:
+        return None
+    index, on_cuda, shape, dtype = device.index, device.type == "cuda", (m, n), x2.dtype
+
+    def plan(x: torch.Tensor) -> Optional[torch.Tensor]:
+        x2 = x.view(-1, k)
+        if x2.data_ptr() % align or (on_cuda and torch.cuda.current_device() != index):
+            return None
+        return run(x2, torch.empty(shape, dtype=dtype, device=device)).view(*lead, n)
+    return plan

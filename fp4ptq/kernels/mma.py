@@ -50,6 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ._ints import cdiv, next_pow2
+from ._launch import Launch
 
 # A word of 8 codes -> four 16-bit-float pairs, register p = codes (p, p + 4). Code i sits at bits
 # 4i..4i+3 (sign = bit 3). bf16: its magnitude goes to bits 6..8 of its half (shift 6 - 4i), the half
@@ -358,7 +359,17 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
     its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
-    from .gemm import _sm_count, split_workspace, sum_splits
+    x2, sbits = aligned_operands(x2, sbits)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg)(x2, y)
+
+
+def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+             x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+             cfg: Optional[tuple] = None, slots=(0, 6)):
+    """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
+    callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
+    activations' global scale too in a W4A4 plan; y last)."""
+    from .gemm import _sm_count, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -369,7 +380,6 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     bn, bm, bk, warps, k_split, stages = cfg or config(m, n, k, _sm_count(x2.device))
     if k_split % bk or bn % (16 * warps) or bm < m:
         raise ValueError(f"mma: config {(bn, bm, bk, warps, k_split)} does not tile M={m}, K={k}")
-    x2, sbits = aligned_operands(x2, sbits)
     key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
@@ -377,13 +387,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     splits = cdiv(k, k_split)
     target = split_workspace(splits, y)
     has_bias = bias is not None
-    _mma_kernel[(cdiv(n, bn), splits)](
-        x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
-        m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split,
-        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
-        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
-    )
-    return sum_splits(target, y, bias)
+    launch = Launch(
+        _mma_kernel, (cdiv(n, bn), splits),
+        (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
+         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
+        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
+             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps))
+    return split_run(launch, splits, y, bias)
 
 
 def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):

@@ -1,0 +1,122 @@
+"""A Triton launch whose grid and compile-time arguments are fixed, replayed without Triton's per-call
+work.
+
+``kernel[grid](*args, **kwargs)`` costs about 33 us of host time a call on the H200 host (Triton 3.6,
+``benchmarks/launch_probe_h200.py``): the argument binder and specialization (8 us), the kernel-cache
+key, the knobs, device and stream queries, and the C launcher itself (8 us). An eager layer call pays
+it for every kernel. ``Launch`` keeps what a replay needs after the second call of the same
+specialization: the compiled kernel's launcher, its function handle and metadata, and the values of
+the arguments that never change (the compile-time ones and the fixed run-time ones); later calls go
+straight to the C launcher with the per-call tensors put in their places.
+
+Soundness: a compiled kernel depends on its arguments' specialization (each tensor's dtype and
+whether its address is a multiple of 16; each integer's value class: equal to 1, a multiple of 16,
+its width). The fixed arguments are the ones it was captured with (held here, so they stay alive),
+and the per-call slots must be tensors: a replay checks each one's dtype and 16-byte alignment
+against the capture and takes Triton's own path on any difference, on another current device, or
+while launch hooks (profilers) are installed.
+
+The replay uses Triton's launcher interface of the versions it was checked on (``FAST_VERSIONS``);
+on others, under the interpreter, or with ``FP4PTQ_FAST_LAUNCH=0``, every call is Triton's own
+launch. ``FP4PTQ_FAST_LAUNCH=1`` forces the replay on another version.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import triton
+
+FAST_VERSIONS = ("3.6.",)
+FAST_LAUNCH = os.environ.get("FP4PTQ_FAST_LAUNCH", "auto")
+if FAST_LAUNCH not in ("auto", "0", "1"):
+    raise ValueError(f"FP4PTQ_FAST_LAUNCH={FAST_LAUNCH!r}: use auto (the checked Triton versions), 1 or 0")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fast_launch_enabled() -> bool:
+    """Whether launches may be replayed past Triton's binder here (see the module docstring)."""
+    if INTERPRET or FAST_LAUNCH == "0":
+        return False
+    return FAST_LAUNCH == "1" or triton.__version__.startswith(FAST_VERSIONS)
+
+
+def _hooks_idle() -> bool:
+    """No launch hooks installed (a profiler such as proton installs them; they need Triton's path)."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - an older Triton: no hook chains to look at
+        return True
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+class Launch:
+    """``kernel[grid](*args, **kwargs)`` with ``args`` fixed except at the positions ``slots``, which
+    each call fills, in order, with tensors: ``Launch(k, grid, args, slots, kwargs)(x, y)``.
+    The first call of a specialization takes Triton's path; the second captures it; later ones
+    replay it (see the module docstring)."""
+
+    __slots__ = ("kernel", "grid", "args", "slots", "kwargs", "_seen", "_direct")
+
+    def __init__(self, kernel, grid: Sequence[int], args: Sequence, slots: Sequence[int], kwargs: dict):
+        grid = tuple(int(g) for g in grid)
+        self.kernel = kernel
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.slots = tuple(slots)
+        self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # no per-call tensor kept
+        self.kwargs = kwargs
+        self._seen = None    # the slots' (dtype, aligned) of the last call through Triton's path
+        self._direct = None  # (launcher, function, metadata, device, slot specs, tail values) or False
+
+    @staticmethod
+    def _spec(tensors) -> tuple:
+        return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        direct = self._direct
+        if direct:
+            run, function, metadata, device, spec, tail = direct
+            if torch.cuda.current_device() == device and self._spec(tensors) == spec and _hooks_idle():
+                args = self.args.copy()  # (a copy: calls from two threads do not share it)
+                for i, t in zip(self.slots, tensors):
+                    args[i] = t
+                g = self.grid
+                run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), function, metadata,
+                    None, None, None, *args, *tail)
+                return
+        args = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        compiled = self.kernel[self.grid](*args, **self.kwargs)
+        if not fast_launch_enabled() or compiled is None:
+            return
+        spec = self._spec(tensors)
+        if self._seen == spec and direct is None:
+            self._direct = self._capture(compiled, args, spec) or False  # False: not replayable here
+        self._seen = spec
+
+    def _capture(self, compiled, args: list, spec: tuple) -> Optional[tuple]:
+        """The replay state of a kernel just launched by Triton with ``args`` (None where this Triton's
+        internals are not the ones the replay was written for)."""
+        try:
+            device = torch.cuda.current_device()
+            binder = self.kernel.device_caches[device][4]
+            params, _, _ = binder(*args, **self.kwargs)
+            values = list(params.values())
+            if len(values) < len(args) or any(v is not a for v, a in zip(values, args)):
+                return None
+            run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        except Exception:  # noqa: BLE001 - internals that moved: keep Triton's path
+            return None
+        if function is None or not callable(run):
+            return None
+        return run, function, metadata, device, spec, tuple(values[len(args):])
+
+    @property
+    def replaying(self) -> bool:
+        """Whether calls now go straight to the captured launcher."""
+        return bool(self._direct)
