@@ -232,21 +232,35 @@ class NVFP4Linear(nn.Module):
 
     def _plan(self, x: torch.Tensor):
         """The launch plan of eager calls shaped like ``x`` (``kernels.linear_plan``; None where there is
-        none), built at the first such call and kept while the buffers are the same tensors at the same
-        addresses (plans hold views of them; in-place writes are read by the next launch)."""
+        none), built at the first such call and kept while the buffers (and the W4A4 input amax) are
+        the same tensors at the same addresses: plans hold views of them, and in-place writes are read
+        by the next launch (a new ``input_global_scale`` value gives a new amax tensor)."""
         bias = self._parameters.get("bias")
+        amax = self._cached_input_amax() if self.scheme == "w4a4" else None
         buffers = self._buffers
-        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias)
+        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias, amax)
         sources = tuple(id(t) for t in held) + tuple(t.data_ptr() for t in held if t is not None)
         plans = self._plans
         if plans is None or sources != self._plan_sources or len(plans) >= MAX_PLANS:
             plans = self._plans = {}  # (views of replaced buffers go with the old plans)
             self._plan_sources = sources
         key = (x.shape, x.stride(), x.dtype, x.device)
-        if key in plans:
-            return plans[key]
-        plan = plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias)
-        return plan
+        if key not in plans:
+            plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias, amax, four_six=self.act_four_six)
+        return plans[key], key
+
+    def _planned(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``forward(x)`` through the call's launch plan, or None where the dispatch takes the call (no
+        plan, an input the plan cannot take, or a plan that raised: the dispatch then takes that input
+        signature from now on, and reports what fails)."""
+        plan, key = self._plan(x)
+        if plan is None:
+            return None
+        try:
+            return plan(x)
+        except Exception:  # noqa: BLE001 - e.g. a Gluon config that fails to build: the dispatch falls back
+            self._plans[key] = None
+            return None
 
     def clear_decode_cache(self) -> None:
         """Drop the decoded weight (the next reference forward decodes again)."""
@@ -273,9 +287,8 @@ class NVFP4Linear(nn.Module):
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
-        if x.is_cuda and LAUNCH_PLANS and self.scheme == "w4a16":
-            plan = self._plan(x)
-            y = plan(x) if plan is not None else None
+        if x.is_cuda and LAUNCH_PLANS:
+            y = self._planned(x)
             if y is not None:
                 return y
         weight = self.quantized_weight()

@@ -364,7 +364,8 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     from fp4ptq import modules
 
     real = kernels.linear_plan
-    monkeypatch.setattr(modules.kernels, "linear_plan", lambda x, w, b: real(x, w, b, backend="triton"))
+    monkeypatch.setattr(modules.kernels, "linear_plan",
+                        lambda x, w, b, a, four_six=None: real(x, w, b, a, four_six=four_six, backend="triton"))
     n, k = 24, 1024
     wq, wq2 = _weight(n, k, seed=1), _weight(n, k, seed=2)
     mod = modules.NVFP4Linear.from_quantized(wq, dtype=torch.bfloat16, bias=torch.randn(n))
@@ -374,17 +375,17 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     def dispatch():
         return gm.linear_w4a16(x, mod.quantized_weight(), mod.bias)
 
-    plan = mod._plan(x)
-    assert plan is not None and mod._plan(x) is plan and torch.equal(plan(x), dispatch())
+    plan, _ = mod._plan(x)
+    assert plan is not None and mod._plan(x)[0] is plan and torch.equal(plan(x), dispatch())
     mod.weight_packed.copy_(wq2.packed)  # in place (load_state_dict does this): same plan, new weights
     mod.weight_scale.copy_(wq2.block_scale)
-    assert mod._plan(x) is plan and torch.equal(plan(x), dispatch())
+    assert mod._plan(x)[0] is plan and torch.equal(mod._planned(x), dispatch())
     mod.weight_packed = wq.packed.clone()  # a replaced buffer
-    replanned = mod._plan(x)
-    assert replanned is not plan and torch.equal(replanned(x), dispatch())
+    replanned, _ = mod._plan(x)
+    assert replanned is not plan and torch.equal(mod._planned(x), dispatch())
     mod.weight_scale.data = wq.block_scale.clone()  # re-pointed under the same tensor
-    assert mod._plan(x) is not replanned and torch.equal(mod._plan(x)(x), dispatch())
-    assert mod._plan(x.view(1, 1, k)) is not mod._plan(x)  # another signature
+    assert mod._plan(x)[0] is not replanned and torch.equal(mod._planned(x), dispatch())
+    assert mod._plan(x.view(1, 1, k))[0] is not mod._plan(x)[0]  # another signature
     assert len(mod._plans) == 2
     assert copy.deepcopy(mod)._plans is None
     monkeypatch.setattr(modules, "MAX_PLANS", 2)
@@ -392,6 +393,42 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     assert len(mod._plans) == 1  # bounded: the old ones go
     mod.to("cpu")
     assert mod._plans is None
+    # a plan that raises: the dispatch takes that signature from then on
+    key = mod._plan(x)[1]
+    mod._plans[key] = lambda x: 1 / 0
+    assert mod._planned(x) is None and mod._plans[key] is None
+
+    # W4A4: the amax tensor is one of the plan's sources
+    mod4 = modules.NVFP4Linear.from_quantized(wq, scheme="w4a4", input_amax=torch.tensor(3.0), act_four_six="mse",
+                                              dtype=torch.bfloat16)
+    plan4, _ = mod4._plan(x)
+    ref4 = gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse")
+    assert plan4 is not None and torch.equal(mod4._planned(x), ref4)
+    mod4.input_global_scale.mul_(2)  # a new static scale, in place
+    assert mod4._plan(x)[0] is not plan4
+    assert torch.equal(mod4._planned(x), gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse"))
+
+
+@interpreted
+@pytest.mark.parametrize("m,quant16_rows", [(1, 3), (2, 1)])
+@pytest.mark.parametrize("four_six", [None, "mse"])
+def test_w4a4_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, m, quant16_rows, four_six):
+    """The W4A4 plan (the activations' quantize launch, then the GEMV on the quantized operand with
+    its global scale per call): ``linear_w4a4``'s bits, through the fp32-compare quantize kernel and
+    (with ``QUANT16_MIN_ROWS`` lowered) the 16-bit one."""
+    qk, gm = tk
+    monkeypatch.setattr(qk, "QUANT16_MIN_ROWS", quant16_rows)
+    n, k = 20, 768
+    wq = _weight(n, k, seed=5)
+    amax = torch.tensor(2.5)
+    bias = torch.randn(n).bfloat16()
+    g = torch.Generator().manual_seed(m)
+    plan = gm.linear_plan(torch.zeros(m, k).bfloat16(), wq, bias, amax, four_six)
+    assert plan is not None
+    for _ in range(3):
+        x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+        assert torch.equal(plan(x), gm.linear_w4a4(x, wq, amax, bias, four_six=four_six))
+    assert gm.linear_plan(x, wq, bias, amax.double(), four_six) is None  # an amax the dispatch converts
 
 
 def _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, config_name, config_for):

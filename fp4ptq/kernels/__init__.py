@@ -138,19 +138,22 @@ def linear_plan(
     x: torch.Tensor,
     weight: NVFP4Tensor,
     bias: Optional[torch.Tensor] = None,
+    input_amax: Optional[torch.Tensor] = None,
     *,
+    four_six: Optional[str] = None,
     backend: str = "auto",
 ):
-    """``linear_w4a16``'s launches decided once for inputs shaped like ``x``: a callable
-    ``plan(x) -> y`` (None for a call it cannot take), or None where the backend is not Triton or
-    the path is not planned (``gemm.linear_plan``). For callers that repeat a call shape (eager
-    decoding): a planned call skips the shape rules and, from its third call, Triton's binder."""
-    if _pick(backend, x, "linear_w4a16", weight) != "triton":
+    """The launches of ``linear_w4a16`` (or, given ``input_amax``, ``linear_w4a4``) decided once for
+    inputs shaped like ``x``: a callable ``plan(x) -> y`` (None for a call it cannot take), or None
+    where the backend is not Triton or the path is not planned (``gemm.linear_plan``). For callers
+    that repeat a call shape (eager decoding): a planned call skips the shape rules and, from its
+    third call, Triton's binder."""
+    if _pick(backend, x, "linear_w4a16" if input_amax is None else "linear_w4a4", weight) != "triton":
         return None
     from . import gemm
 
     with _on_device_of(x):
-        return gemm.linear_plan(x, weight, bias)
+        return gemm.linear_plan(x, weight, bias, input_amax, four_six)
 
 
 def linear_w4a4(

@@ -22,6 +22,7 @@ launch. ``FP4PTQ_FAST_LAUNCH=1`` forces the replay on another version.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence
 
@@ -40,6 +41,13 @@ def fast_launch_enabled() -> bool:
     if INTERPRET or FAST_LAUNCH == "0":
         return False
     return FAST_LAUNCH == "1" or triton.__version__.startswith(FAST_VERSIONS)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_sm_count(index: int) -> int:
+    """The SM count of GPU ``index`` (asked once per GPU: ``get_device_properties`` costs about 10 us a
+    call on the H200 host)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _hooks_idle() -> bool:

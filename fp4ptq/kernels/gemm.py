@@ -70,7 +70,7 @@ from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
 from ._ints import cdiv, next_pow2
-from ._launch import Launch
+from ._launch import Launch, cuda_sm_count
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -1043,13 +1043,7 @@ def _gemv6_segment(k: int, cap: int) -> int:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter: a grid-stride loop with more than one program
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    """(Asked once per GPU: ``get_device_properties`` costs about 10 us a call on the H200 host.)"""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _RESIDENT: dict = {}
@@ -1573,15 +1567,18 @@ __all__ = ["dequantize", "linear_w4a16", "linear_w4a4"]
 # --------------------------------------------------------------------------- #
 # Launch plans: a layer's launches decided once for inputs shaped alike
 # --------------------------------------------------------------------------- #
-def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None):
-    """The W4A16 launches of ``linear_w4a16(x, weight, bias)`` decided once for inputs shaped like
-    ``x`` (shape, strides, dtype, device): a callable ``plan(x) -> y``, which returns None for an
-    input it cannot take (another device current, an activation address the kernel's vector loads
-    cannot use: the dispatch then takes that call), or None where the path is not planned (paths
-    other than gemv6 / gemv7 and mma, operands the dispatch would copy). A plan holds views of the
-    weight's buffers and its launches (``Launch``), which replay without Triton's binder from the
-    third call; it gives the dispatch's bits. Eager decoding calls every layer once a token with the
-    same shapes: ``NVFP4Linear`` keeps its plans (``modules.py``)."""
+def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None,
+                input_amax: Optional[torch.Tensor] = None, four_six: Optional[str] = None):
+    """The launches of ``linear_w4a16(x, weight, bias)`` (or, given ``input_amax``, ``linear_w4a4(x,
+    weight, input_amax, bias, four_six=four_six)``) decided once for inputs shaped like ``x`` (shape,
+    strides, dtype, device): a callable ``plan(x) -> y``, which returns None for an input it cannot
+    take (another device current, an activation address the kernels' vector loads cannot use: the
+    dispatch then takes that call), or None where the path is not planned (paths other than gemv6 /
+    gemv7 and mma, W4A4 quantized inside the GEMV or on FP4 tensor cores, operands the dispatch would
+    copy). A plan holds views of the weight's buffers (and the amax tensor) and its launches
+    (``Launch``), which replay without Triton's binder from the third call; it gives the dispatch's
+    bits. Eager decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps
+    its plans (``modules.py``)."""
     n, k, words, sbits, enc = _weight_views(weight)
     lead = x.shape[:-1]
     if (words.data_ptr() != weight.packed.data_ptr() or sbits.data_ptr() % 16 or enc.dtype != weight.global_enc.dtype
@@ -1595,24 +1592,50 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     if x2.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
         return None
     device = x.device
-    path = _auto_path(m, x2.dtype, False, k, device, n)
+    w4a4 = input_amax is not None
+    path = _auto_path(m, x2.dtype, w4a4, k, device, n)
     y = torch.empty(m, n, dtype=x2.dtype, device=device)
     bias_arg = bias if bias is not None else enc
+    quantize = qwords = None
+    if w4a4:
+        from . import dot_scaled
+
+        if (W4A4_FUSED and m <= GEMV_MAX_M and GEMV_PATH == "gemv6") or four_six not in quantize_kernel.FOUR_SIX_CODES \
+                or input_amax.device != device or input_amax.dtype != torch.float32 \
+                or (m > GEMV_MAX_M and dot_scaled.ready(device, "e2m1") is None):
+            return None  # quantized inside the GEMV or on FP4 tensor cores; an amax the dispatch converts
+        amax = input_amax.reshape(1)
+        if quantize_kernel._takes_quant16(x2, "scaled", None):
+            qwords = quantize_kernel._words(x2)
+            if qwords is None:
+                return None
+        quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None)
+        x_enc, slots, align = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6), 4
+        x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor
+    else:
+        x_enc, slots, align = None, (0, 6), 1
     if path == "gemv6" and x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0:
-        align = 8  # x read as 8-byte words
-        run = _gemv6(x2, words, sbits, enc, enc, bias_arg, y, m, n, k, bias is not None, None)
+        align = max(align, 8)  # x read as 8-byte words
+        run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
+                     slots=slots)
     elif path == "mma" and x2.stride(0) % 8 == 0:
         from . import mma
 
-        align = 16  # 16-byte copies of x
-        run = mma.launches(x2, words, sbits, enc, None, bias, y)
+        align = max(align, 16)  # 16-byte copies of x
+        run = mma.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
     else:
         return None
+    if quantize is not None:
+        align = 4  # (the quantized operand is a fresh tensor; x is read as int32 words or fp32-compared)
     index, on_cuda, shape, dtype = device.index, device.type == "cuda", (m, n), x2.dtype
 
     def plan(x: torch.Tensor) -> Optional[torch.Tensor]:
         x2 = x.view(-1, k)
         if x2.data_ptr() % align or (on_cuda and torch.cuda.current_device() != index):
             return None
-        return run(x2, torch.empty(shape, dtype=dtype, device=device)).view(*lead, n)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if quantize is None:
+            return run(x2, out).view(*lead, n)
+        xs, x_enc = quantize(x2.view(torch.int32) if qwords is not None else x2)
+        return run(xs, x_enc.reshape(1), out).view(*lead, n)
     return plan

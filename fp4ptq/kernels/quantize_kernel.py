@@ -58,6 +58,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from ._ints import cdiv, next_pow2
+from ._launch import Launch, cuda_sm_count
 
 # Four Over Six rule -> kernel constant (0: standard scale-to-6 only).
 FOUR_SIX_CODES = {None: 0, "mse": 1, "mae": 2, "max": 3}
@@ -870,7 +871,7 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
     only sets how many tiles a program loops over."""
     if device.type != "cuda":
         return min(n_tiles, 64)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     forced = os.environ.get("FP4PTQ_QUANT16_PER_SM")
     if forced:
         return min(n_tiles, int(forced) * sms)
@@ -973,70 +974,97 @@ def launch_quantize(
         raise nvfp4.NVFP4Error(f"quantize kernel: last dim {k} is not a multiple of {BLOCK_SIZE}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    dev = x.device
-    amax = amax.reshape(1).to(device=dev, dtype=torch.float32)
-    packed = scale = chose = scaled = None
-    if emit == "packed":
-        packed = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
-        scale = torch.empty(m, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev)
-        if four_six is not None:
-            chose = torch.empty(m, k // BLOCK_SIZE, dtype=torch.int8, device=dev)
-    else:
-        scaled = torch.empty(m, k, dtype=out_dtype or x.dtype, device=dev)
+    amax = amax.reshape(1).to(device=x.device, dtype=torch.float32)
     words = None
-    big = m * k > 0 and m >= QUANT16_MIN_ROWS
-    if QUANT16 and big and x.dtype in (torch.bfloat16, torch.float16) \
-            and (scaled is None or scaled.dtype == x.dtype) and quant16_supported(dev, x.dtype):
+    if _takes_quant16(x, emit, out_dtype):
         words = _words(x)
         if words is None:  # an odd row stride or offset: the int32 view needs pairs
             x = x.contiguous()
             words = _words(x)
-    if words is not None:
+    if x.numel() == 0:  # nothing to launch; the global scale still follows the amax
+        enc = nvfp4.global_encode_scale(amax.reshape(()), four_six is not None).to(x.device)
+        return _returned(_outputs(*x.shape, x.dtype, x.device, four_six, emit, out_dtype, enc))
+    return quantize_launches(x, words, amax, four_six, emit, out_dtype)(x if words is None else words)
+
+
+def _takes_quant16(x: torch.Tensor, emit: str, out_dtype: Optional[torch.dtype]) -> bool:
+    """Whether ``launch_quantize`` gives ``x`` to the 16-bit kernel (see there)."""
+    return (QUANT16 and x.shape[0] >= QUANT16_MIN_ROWS and x.shape[1] > 0
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and (emit == "packed" or out_dtype in (None, x.dtype)) and quant16_supported(x.device, x.dtype))
+
+
+def _outputs(m: int, k: int, dtype: torch.dtype, dev: torch.device, four_six: Optional[str], emit: str,
+             out_dtype: Optional[torch.dtype], enc: Optional[torch.Tensor] = None):
+    """``launch_quantize``'s output tensors for an [m, k] input of ``dtype`` on ``dev`` (fresh; ``enc``
+    the 0-dim global scale)."""
+    if enc is None:
         enc = torch.empty((), dtype=torch.float32, device=dev)
-        dummy = enc
+    if emit == "scaled":
+        return torch.empty(m, k, dtype=out_dtype or dtype, device=dev), enc
+    chose = torch.empty(m, k // BLOCK_SIZE, dtype=torch.int8, device=dev) if four_six is not None else None
+    return (torch.empty(m, k // 2, dtype=torch.uint8, device=dev),
+            torch.empty(m, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=dev), enc, chose)
+
+
+def _returned(outs: tuple) -> tuple:
+    """``launch_quantize``'s return value from ``_outputs``' tensors (the 4/6 choices as bool)."""
+    if len(outs) == 2:
+        return outs
+    packed, scale, enc, chose = outs
+    return packed, scale, enc, None if chose is None else chose.bool()
+
+
+def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torch.Tensor, four_six: Optional[str],
+                      emit: str, out_dtype: Optional[torch.dtype]):
+    """``launch_quantize``'s launch for inputs shaped like ``x`` (``words``: its int32 view for the 16-bit
+    kernel, or None for the fp32-compare one; ``amax`` fp32 [1] on x's device) as a callable
+    ``run(x or words)`` that allocates the outputs, launches, and returns what ``launch_quantize`` does."""
+    m, k = x.shape
+    dev, dtype = x.device, x.dtype
+    sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)
+    kwargs = dict(FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
+                  enable_fp_fusion=False)
+    table_size = 0
+    if words is not None:
         block_m, blocks_k, warps = _tile16(m, k)
         n_ktiles = cdiv(k // BLOCK_SIZE, blocks_k)
         n_tiles = cdiv(m, block_m) * n_ktiles
         use_table = _use_table(n_tiles, emit, four_six)
         if use_table:
             grid = (_programs(dev, n_tiles, *((8, 8) if emit == "packed" else (4, 16))),)
-            table = torch.empty(grid[0] * TABLE_ROWS.value * TABLE_WORDS.value, dtype=torch.int32, device=dev)
+            table_size = grid[0] * TABLE_ROWS.value * TABLE_WORDS.value
         else:  # a tile a program, 8 programs an SM (4 and 12 were no faster, same run)
             grid = (_programs(dev, n_tiles, 8, 1),)
-            table = dummy
-        _quantize16_kernel[grid](
-            words, amax, table, enc,
-            packed.view(torch.int32) if packed is not None else dummy,
-            scale.view(torch.uint8) if scale is not None else dummy,
-            chose if chose is not None else dummy,
-            scaled.view(torch.int32) if scaled is not None else dummy,
-            m, k, words.stride(0), scaled.stride(0) // 2 if scaled is not None else 0, n_tiles, n_ktiles,
-            F16=x.dtype == torch.float16, FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed",
-            EMIT_SCALED=emit == "scaled", ASM=not INTERPRET,
-            BLOCK_M=block_m, BLOCKS_K=blocks_k, TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six),
-            num_warps=warps, enable_fp_fusion=False,
-        )
+        kernel = _quantize16_kernel
+        args = (words, amax, None, None, None, None, None, None, m, k, words.stride(0), sstride // 2, n_tiles, n_ktiles)
+        kwargs.update(F16=dtype == torch.float16, ASM=not INTERPRET, BLOCK_M=block_m, BLOCKS_K=blocks_k,
+                      TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six), num_warps=warps)
+        slots = (0, 2, 3, 4, 5, 6, 7)  # words, table, enc, and the four outputs (enc where one is not written)
     else:
-        enc = torch.empty((), dtype=torch.float32, device=dev)
-        dummy = enc  # pointer for outputs this launch does not write
         block_m, blocks_k, warps = _tile(m, k)
         grid = (cdiv(m, block_m), cdiv(k // BLOCK_SIZE, blocks_k))
-        if m and k:
-            _quantize_kernel[grid](
-                x, amax, enc,
-                packed.view(torch.int32) if packed is not None else dummy,
-                scale.view(torch.uint8) if scale is not None else dummy,
-                chose if chose is not None else dummy,
-                scaled if scaled is not None else dummy,
-                m, k, x.stride(0), scaled.stride(0) if scaled is not None else 0,
-                FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
-                BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps, enable_fp_fusion=False,
-            )
-        else:  # nothing to launch; the global scale still follows the amax
-            enc.copy_(nvfp4.global_encode_scale(amax.reshape(()), four_six is not None))
-    if emit == "scaled":
-        return scaled, enc
-    return packed, scale, enc, None if chose is None else chose.bool()
+        kernel = _quantize_kernel
+        args = (x, amax, None, None, None, None, None, m, k, x.stride(0), sstride)
+        kwargs.update(BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps)
+        slots = (0, 2, 3, 4, 5, 6)  # x, enc, and the four outputs
+    launch = Launch(kernel, grid, args, slots, kwargs)
+
+    def run(xin: torch.Tensor):
+        outs = _outputs(m, k, dtype, dev, four_six, emit, out_dtype)
+        if emit == "scaled":
+            scaled, enc = outs
+            targets = (enc, enc, enc, scaled.view(torch.int32) if words is not None else scaled)
+        else:
+            packed, scale, enc, chose = outs
+            targets = (packed.view(torch.int32), scale.view(torch.uint8), chose if chose is not None else enc, enc)
+        if words is not None:
+            table = torch.empty(table_size, dtype=torch.int32, device=dev) if table_size else enc
+            launch(xin, table, enc, *targets)
+        else:
+            launch(xin, enc, *targets)
+        return _returned(outs)
+    return run
 
 
 def quantize(
