@@ -139,3 +139,22 @@ def test_hooks_idle_reads_triton_s_hook_chains():
     finally:
         hook.remove(probe)
     assert _launch._hooks_idle()
+
+
+class Descriptor:
+    """Stands in for a TMA descriptor: a slot object that is not a tensor, with its base tensor."""
+
+    def __init__(self, base):
+        self.base = base
+
+
+def test_descriptor_slots_are_checked_by_their_base_tensor(fast):
+    kernel = FakeKernel()
+    launch, _ = _launch_of(kernel)
+    x, y = torch.ones(8), torch.empty(8)
+    for _ in range(3):
+        launch(Descriptor(x), y)
+    launch(Descriptor(torch.empty(9)[1:]), y)  # a misaligned base
+    launch(Descriptor(x.double()), y)          # another dtype
+    launch(x, y)                               # a tensor where the capture had a descriptor
+    assert [e[0] for e in kernel.log] == ["triton", "triton", "replay", "triton", "triton", "triton"]

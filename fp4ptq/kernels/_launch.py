@@ -82,7 +82,16 @@ class Launch:
 
     @staticmethod
     def _spec(tensors) -> tuple:
-        return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+        """Per slot: a tensor's dtype and 16-byte alignment; for a TMA descriptor (built by the caller
+        with a fixed block shape and layout), its type and its base tensor's."""
+        spec = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                spec.append((t.dtype, t.data_ptr() % 16 == 0))
+            else:
+                base = t.base
+                spec.append((type(t), base.dtype, base.data_ptr() % 16 == 0))
+        return tuple(spec)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         direct = self._direct

@@ -1573,9 +1573,9 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     weight, input_amax, bias, four_six=four_six)``) decided once for inputs shaped like ``x`` (shape,
     strides, dtype, device): a callable ``plan(x) -> y``, which returns None for an input it cannot
     take (another device current, an activation address the kernels' vector loads cannot use: the
-    dispatch then takes that call), or None where the path is not planned (paths other than gemv6 /
-    gemv7 and mma, W4A4 quantized inside the GEMV or on FP4 tensor cores, operands the dispatch would
-    copy). A plan holds views of the weight's buffers (and the amax tensor) and its launches
+    dispatch then takes that call), or None where the path is not planned (gemv4 / gemv5, the tiled
+    GEMM and dequantize + cuBLAS; W4A4 quantized inside the GEMV or on FP4 tensor cores; operands the
+    dispatch would copy). A plan holds views of the weight's buffers (and the amax tensor) and its launches
     (``Launch``), which replay without Triton's binder from the third call; it gives the dispatch's
     bits. Eager decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps
     its plans (``modules.py``)."""
@@ -1618,11 +1618,10 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
         align = max(align, 8)  # x read as 8-byte words
         run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
                      slots=slots)
-    elif path == "mma" and x2.stride(0) % 8 == 0:
-        from . import mma
-
-        align = max(align, 16)  # 16-byte copies of x
-        run = mma.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
+    elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
+        align = max(align, 16)  # 16-byte copies (TMA for wsgemm) of x
+        module = importlib.import_module(f".{path}", __package__)
+        run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
     else:
         return None
     if quantize is not None:

@@ -359,8 +359,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
     its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
+    return run_once(launches, x2, words, sbits, enc, x_enc, bias, y, cfg)
+
+
+def run_once(launches_of, x2, words, sbits, enc, x_enc, bias, y, cfg=None):
+    """One call of a kernel module's ``launches`` (this one's, wgmma.py's) on aligned operands."""
     x2, sbits = aligned_operands(x2, sbits)
-    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg)(x2, y)
+    return launches_of(x2, words, sbits, enc, x_enc, bias, y, cfg)(x2, y)
 
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
@@ -511,5 +516,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, "the Gluon tensor-core path")
 
 
-__all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "matmul",
-           "product_check", "ready", "sm90_reason", "stop_using", "store_output", "supports"]
+__all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "launches", "matmul",
+           "product_check", "ready", "run_once", "sm90_reason", "stop_using", "store_output", "supports"]

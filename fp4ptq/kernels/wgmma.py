@@ -56,8 +56,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._ints import cdiv
+from ._launch import Launch
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
-                  _index, _layouts, _sync, aligned_operands, decide_once, decode_line, product_check, sm90_reason,
+                  _index, _layouts, _sync, decide_once, decode_line, product_check, run_once, sm90_reason,
                   stop_using, store_output)
 
 
@@ -335,7 +336,16 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None."""
-    from .gemm import _sm_count, split_workspace, sum_splits
+    return run_once(launches, x2, words, sbits, enc, x_enc, bias, y, cfg)
+
+
+def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+             x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+             cfg: Optional[tuple] = None, slots=(0, 6)):
+    """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
+    callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
+    activations' global scale too in a W4A4 plan; y last), as ``mma.launches``."""
+    from .gemm import _sm_count, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -348,7 +358,6 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if reason:
         raise ValueError(f"wgmma: config {cfg} does not tile M={m}, K={k}: {reason}")
     bn, bm, bk, warps, ks, stages, wait, maxnreg = cfg
-    x2, sbits = aligned_operands(x2, sbits)
     key = (bn, bm, bk, warps)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layouts_wg(bn, bm, bk, warps)
@@ -356,14 +365,14 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     splits = cdiv(k, ks)
     target = split_workspace(splits, y)
     has_bias = bias is not None
-    _wgmma_kernel[(cdiv(n, bn), cdiv(m, bm), splits)](
-        x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
-        m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks,
-        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait), FENCE=_FENCE,
-        BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
-        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
-    )
-    return sum_splits(target, y, bias)
+    launch = Launch(
+        _wgmma_kernel, (cdiv(n, bn), cdiv(m, bm), splits),
+        (x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
+         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks), slots,
+        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait),
+             FENCE=_FENCE, BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
+             **({"maxnreg": int(maxnreg)} if maxnreg else {})))
+    return split_run(launch, splits, y, bias)
 
 
 _READY: dict = {}
@@ -388,5 +397,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, "the wgmma path")
 
 
-__all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "logical_to_actual", "matmul", "preferred",
+__all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "launches", "logical_to_actual", "matmul", "preferred",
            "product_check", "ready", "supports"]

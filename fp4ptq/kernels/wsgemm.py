@@ -65,6 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._ints import cdiv
+from ._launch import Launch
 from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, aligned_operands, decide_once,
                   decode_line, product_check, sm90_reason, stop_using)
 
@@ -466,6 +467,16 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
     ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
+    x2, sbits = aligned_operands(x2, sbits)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split)(x2, y)
+
+
+def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+             x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6)):
+    """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
+    callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
+    global scale,) and y: the weight's TMA descriptors are built once, x's for each call."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -479,32 +490,37 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     if reason:
         raise ValueError(f"wsgemm: config {cfg}: {reason}")
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
-    x2, sbits = aligned_operands(x2, sbits)
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
     if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
         sbits = sbits.contiguous()
-    gdt = gl.float16 if x2.dtype == torch.float16 else gl.bfloat16
-    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], _smem_layout(bm, bk, gdt))
+    x_layout = _smem_layout(bm, bk, gl.float16 if x2.dtype == torch.float16 else gl.bfloat16)
     w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8], _smem_layout(bn, bk // 8, gl.int32))
     s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], _smem_layout(bn, 16, gl.uint8))
     has_bias = bias is not None
-    from .gemm import _sm_count, sum_splits
+    from .gemm import _sm_count, split_finish
 
     tiles = cdiv(m, bm) * cdiv(n, bn)
     full, splits, chunk, nt0, _ = plan(m, n, k, _sm_count(x2.device), cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
     # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
-    part = torch.empty(splits, m, n - n0, dtype=torch.float32, device=y.device) if splits > 1 else enc
-    _ws_kernel[(full + (tiles - full) * splits,)](
-        x_desc, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
-        part, m, n, y.stride(0), k // bk, full, splits, chunk, n0,
-        HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
-        DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg,
-    )
-    if splits > 1:
-        sum_splits(part, y[:, n0:], bias[n0:] if has_bias else None)
-    return y
+    part_shape = (splits, m, n - n0)
+    launch = Launch(
+        _ws_kernel, (full + (tiles - full) * splits,),
+        (None, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
+         None, m, n, y.stride(0), k // bk, full, splits, chunk, n0), tuple(slots) + (7,),
+        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
+             DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg))
+    finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 else None
+
+    def run(x2, *tensors):
+        y = tensors[-1]
+        part = torch.empty(part_shape, dtype=torch.float32, device=y.device) if finish else enc
+        launch(TensorDescriptor.from_tensor(x2, [bm, bk], x_layout), *tensors, part)
+        if finish:
+            finish(part, y[:, n0:])
+        return y
+    return run
 
 
 _READY: dict = {}
@@ -531,5 +547,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "matmul",
+__all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
