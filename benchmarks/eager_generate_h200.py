@@ -3,8 +3,9 @@ Llama-3.1-8B-shaped model of ``e2e_decode_h200.py`` (random weights): bf16, RTN 
 NVFP4 models with their layers' launch plans on and off (``fp4ptq.modules.LAUNCH_PLANS``), in
 interleaved rounds (the device's host drifts 30% between runs), medians.
 
-Per round and model: ``generate(max_new_tokens=1)`` (the prefill and one step) and
-``generate(max_new_tokens=NEW)``; decoding tokens/s = (NEW - 1) / (the difference). Check: the
+Per round and model: a forward of the PROMPT tokens (prefill, M = PROMPT rows a layer),
+``generate(max_new_tokens=1)`` (the prefill and one step) and ``generate(max_new_tokens=NEW)``;
+decoding tokens/s = (NEW - 1) / (the difference). Check: the
 model's logits on the first 1, 2 and 8 prompt tokens (no cache: every layer at M = 1, 2, 8, the gemv6 /
 gemv7 and mma plans), plans on (three calls: built, captured, replayed) against plans off, bit for bit;
 and the share of generated tokens equal between rounds, within a variant and between plans on and off
@@ -44,6 +45,15 @@ def generate(model, ids, new: int):
     return out[:, ids.shape[1]:], time.perf_counter() - t0
 
 
+def prefill_forward(model, ids) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def agreement(a: list, b: list) -> float:
     """Mean share of equal tokens over pairs of distinct runs."""
     shares = [float((x == y).float().mean()) for i, x in enumerate(a) for j, y in enumerate(b) if a is not b or i < j]
@@ -75,16 +85,18 @@ def main():
     for r in range(ROUNDS):
         for scheme, plans in variants:
             modules.LAUNCH_PLANS = plans is not False
+            forward = prefill_forward(models[scheme], ids)
             _, prefill = generate(models[scheme], ids, 1)
             out, full = generate(models[scheme], ids, NEW)
-            times.setdefault((scheme, plans), []).append((prefill, full))
+            times.setdefault((scheme, plans), []).append((prefill, full, forward))
             tokens.setdefault((scheme, plans), []).append(out)
         print("round", r, flush=True)
     modules.LAUNCH_PLANS = True
     for (scheme, plans), ts in times.items():
         prefill = statistics.median(t[0] for t in ts)
-        decode = [(NEW - 1) / (full - pre) for pre, full in ts]
-        row = {"scheme": scheme, "plans": plans, "prefill_and_one_token_s": prefill,
+        decode = [(NEW - 1) / (full - pre) for pre, full, _ in ts]
+        row = {"scheme": scheme, "plans": plans, "prefill_forward_ms": 1e3 * statistics.median(t[2] for t in ts),
+               "prefill_and_one_token_s": prefill,
                "generate_s": statistics.median(t[1] for t in ts), "decode_tokens_per_s": statistics.median(decode),
                "decode_tokens_per_s_rounds": decode}
         runs = tokens[(scheme, plans)]

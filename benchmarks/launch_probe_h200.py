@@ -14,13 +14,13 @@ each level in interleaved rounds (the device's host drifts 30% between runs), me
     module (no plans)    NVFP4Linear.forward through the dispatch (FP4PTQ_LAUNCH_PLANS=0)
     module               NVFP4Linear.forward: its launch plan for the shape, replayed past Triton's binder
 
-Then a check: every layer x M (1, 2, 3, 16, 64) x (W4A16 with and without a bias, W4A4 with and without
+Then a check: every layer x M (1, 2, 3, 16, 64, 128, 512) x (W4A16 with and without a bias, W4A4 with and without
 Four Over Six) called 6 times through its module's plan, each output equal bit for bit to the
 dispatch's (``kernels.linear_w4a16`` / ``linear_w4a4``). W4A4 modules are timed too (``w4a4 module``).
 
     PYTHONPATH=$PWD python benchmarks/launch_probe_h200.py   # $OUT/launch_probe_h200.json
 
-Knobs: SHAPES (8B.q,8B.down), MS (1,16), CALLS (2000), ROUNDS (5), CHECK_MS (1,2,3,16,64).
+Knobs: SHAPES (8B.q,8B.down), MS (1,16), CALLS (2000), ROUNDS (5), CHECK_MS (1,2,3,16,64,128,512).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ SHAPES = os.environ.get("SHAPES", "8B.q,8B.down").split(",")
 MS = [int(m) for m in os.environ.get("MS", "1,16").split(",")]
 CALLS = int(os.environ.get("CALLS", 2000))
 ROUNDS = int(os.environ.get("ROUNDS", 5))
-CHECK_MS = [int(m) for m in os.environ.get("CHECK_MS", "1,2,3,16,64").split(",")]
+CHECK_MS = [int(m) for m in os.environ.get("CHECK_MS", "1,2,3,16,64,128,512").split(",")]
 dev = torch.device("cuda")
 
 
