@@ -37,6 +37,7 @@ DECODE_CACHE_ENV = "FP4PTQ_DECODE_CACHE"
 # Eager CUDA calls go through launch plans kept per input shape (kernels.linear_plan); "0" turns them off.
 LAUNCH_PLANS = os.environ.get("FP4PTQ_LAUNCH_PLANS", "1") != "0"
 MAX_PLANS = 32  # input signatures kept per module (prefill of varying lengths adds one each)
+_UNSEEN, _SEEN_ONCE = object(), object()
 _WEIGHT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
@@ -232,7 +233,7 @@ class NVFP4Linear(nn.Module):
 
     def _plan(self, x: torch.Tensor):
         """The launch plan of eager calls shaped like ``x`` (``kernels.linear_plan``; None where there is
-        none), built at the first such call and kept while the buffers (and the W4A4 input amax) are
+        none, and at the first call of a signature), built at the second such call and kept while the buffers (and the W4A4 input amax) are
         the same tensors at the same addresses: plans hold views of them, and in-place writes are read
         by the next launch (a new ``input_global_scale`` value gives a new amax tensor)."""
         bias = self._parameters.get("bias")
@@ -245,9 +246,13 @@ class NVFP4Linear(nn.Module):
             plans = self._plans = {}  # (views of replaced buffers go with the old plans)
             self._plan_sources = sources
         key = (x.shape, x.stride(), x.dtype, x.device)
-        if key not in plans:
-            plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias, amax, four_six=self.act_four_six)
-        return plans[key], key
+        plan = plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:  # a signature's first call goes through the dispatch (a prompt length seen once
+            plans[key] = plan = _SEEN_ONCE  # would not repay building a plan)
+        elif plan is _SEEN_ONCE:
+            plan = plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias, amax,
+                                                    four_six=self.act_four_six)
+        return (None if plan is _SEEN_ONCE else plan), key
 
     def _planned(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``forward(x)`` through the call's launch plan, or None where the dispatch takes the call (no

@@ -375,17 +375,21 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     def dispatch():
         return gm.linear_w4a16(x, mod.quantized_weight(), mod.bias)
 
+    assert mod._plan(x)[0] is None  # a signature's first call: the dispatch's
     plan, _ = mod._plan(x)
     assert plan is not None and mod._plan(x)[0] is plan and torch.equal(plan(x), dispatch())
     mod.weight_packed.copy_(wq2.packed)  # in place (load_state_dict does this): same plan, new weights
     mod.weight_scale.copy_(wq2.block_scale)
     assert mod._plan(x)[0] is plan and torch.equal(mod._planned(x), dispatch())
     mod.weight_packed = wq.packed.clone()  # a replaced buffer
+    assert mod._plan(x)[0] is None
     replanned, _ = mod._plan(x)
     assert replanned is not plan and torch.equal(mod._planned(x), dispatch())
     mod.weight_scale.data = wq.block_scale.clone()  # re-pointed under the same tensor
-    assert mod._plan(x)[0] is not replanned and torch.equal(mod._planned(x), dispatch())
-    assert mod._plan(x.view(1, 1, k))[0] is not mod._plan(x)[0]  # another signature
+    assert mod._plan(x)[0] is None and mod._plan(x)[0] not in (None, replanned)
+    assert torch.equal(mod._planned(x), dispatch())
+    mod._plan(x.view(1, 1, k))
+    assert mod._plan(x.view(1, 1, k))[0] not in (None, mod._plan(x)[0])  # another signature
     assert len(mod._plans) == 2
     assert copy.deepcopy(mod)._plans is None
     monkeypatch.setattr(modules, "MAX_PLANS", 2)
@@ -394,6 +398,7 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     mod.to("cpu")
     assert mod._plans is None
     # a plan that raises: the dispatch takes that signature from then on
+    mod._plan(x)
     key = mod._plan(x)[1]
     mod._plans[key] = lambda x: 1 / 0
     assert mod._planned(x) is None and mod._plans[key] is None
@@ -401,11 +406,12 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     # W4A4: the amax tensor is one of the plan's sources
     mod4 = modules.NVFP4Linear.from_quantized(wq, scheme="w4a4", input_amax=torch.tensor(3.0), act_four_six="mse",
                                               dtype=torch.bfloat16)
+    mod4._plan(x)
     plan4, _ = mod4._plan(x)
     ref4 = gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse")
     assert plan4 is not None and torch.equal(mod4._planned(x), ref4)
     mod4.input_global_scale.mul_(2)  # a new static scale, in place
-    assert mod4._plan(x)[0] is not plan4
+    assert mod4._plan(x)[0] is None and mod4._plan(x)[0] not in (None, plan4)
     assert torch.equal(mod4._planned(x), gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse"))
 
 
