@@ -153,16 +153,18 @@ def decode_tokens(d: Decoder, step, n: int):
 
 @contextlib.contextmanager
 def reference_backend():
-    """NVFP4Linear through the dispatch's reference backend (dequantize, then torch's matmul)."""
-    from fp4ptq import kernels
+    """NVFP4Linear through the dispatch's reference backend (dequantize, then torch's matmul); its
+    launch plans off (they call the kernels directly, not through these two functions)."""
+    from fp4ptq import kernels, modules
 
-    saved = kernels.linear_w4a16, kernels.linear_w4a4
+    saved = kernels.linear_w4a16, kernels.linear_w4a4, modules.LAUNCH_PLANS
     kernels.linear_w4a16 = functools.partial(saved[0], backend="reference")
     kernels.linear_w4a4 = functools.partial(saved[1], backend="reference")
+    modules.LAUNCH_PLANS = False
     try:
         yield
     finally:
-        kernels.linear_w4a16, kernels.linear_w4a4 = saved
+        kernels.linear_w4a16, kernels.linear_w4a4, modules.LAUNCH_PLANS = saved
 
 
 def kernel_error(d: Decoder) -> dict:
