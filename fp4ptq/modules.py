@@ -233,13 +233,12 @@ class NVFP4Linear(nn.Module):
 
     def _plan(self, x: torch.Tensor):
         """The launch plan of eager calls shaped like ``x`` (``kernels.linear_plan``; None where there is
-        none, and at the first call of a signature), built at the second such call and kept while the buffers (and the W4A4 input amax) are
-        the same tensors at the same addresses: plans hold views of them, and in-place writes are read
-        by the next launch (a new ``input_global_scale`` value gives a new amax tensor)."""
+        none, and at a signature's first call), built at the second such call and kept while the
+        buffers are the same tensors at the same addresses: plans hold views of them, and in-place
+        writes are read by the next launch. W4A4: the amax goes to each call (``_planned``)."""
         bias = self._parameters.get("bias")
-        amax = self._cached_input_amax() if self.scheme == "w4a4" else None
         buffers = self._buffers
-        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias, amax)
+        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias)
         sources = tuple(id(t) for t in held) + tuple(t.data_ptr() for t in held if t is not None)
         plans = self._plans
         if plans is None or sources != self._plan_sources or len(plans) >= MAX_PLANS:
@@ -247,9 +246,10 @@ class NVFP4Linear(nn.Module):
             self._plan_sources = sources
         key = (x.shape, x.stride(), x.dtype, x.device)
         plan = plans.get(key, _UNSEEN)
-        if plan is _UNSEEN:  # a signature's first call goes through the dispatch (a prompt length seen once
-            plans[key] = plan = _SEEN_ONCE  # would not repay building a plan)
+        if plan is _UNSEEN:  # a signature's first call goes through the dispatch (a prompt length
+            plans[key] = plan = _SEEN_ONCE  # seen once would not repay building a plan)
         elif plan is _SEEN_ONCE:
+            amax = self._cached_input_amax() if self.scheme == "w4a4" else None
             plan = plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias, amax,
                                                     four_six=self.act_four_six)
         return (None if plan is _SEEN_ONCE else plan), key
@@ -262,6 +262,8 @@ class NVFP4Linear(nn.Module):
         if plan is None:
             return None
         try:
+            if self.scheme == "w4a4":
+                return plan(x, self._cached_input_amax())
             return plan(x)
         except Exception:  # noqa: BLE001 - e.g. a Gluon config that fails to build: the dispatch falls back
             self._plans[key] = None

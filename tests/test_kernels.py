@@ -403,16 +403,20 @@ def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     mod._plans[key] = lambda x: 1 / 0
     assert mod._planned(x) is None and mod._plans[key] is None
 
-    # W4A4: the amax tensor is one of the plan's sources
-    mod4 = modules.NVFP4Linear.from_quantized(wq, scheme="w4a4", input_amax=torch.tensor(3.0), act_four_six="mse",
-                                              dtype=torch.bfloat16)
-    mod4._plan(x)
-    plan4, _ = mod4._plan(x)
-    ref4 = gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse")
-    assert plan4 is not None and torch.equal(mod4._planned(x), ref4)
-    mod4.input_global_scale.mul_(2)  # a new static scale, in place
-    assert mod4._plan(x)[0] is None and mod4._plan(x)[0] not in (None, plan4)
-    assert torch.equal(mod4._planned(x), gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse"))
+    # W4A4: the amax goes to each call, so a new static scale (in place, or in an inference tensor whose
+    # writes have no version to see) keeps the plan
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            mod4 = modules.NVFP4Linear.from_quantized(wq, scheme="w4a4", input_amax=torch.tensor(3.0),
+                                                      act_four_six="mse", dtype=torch.bfloat16)
+        mod4._plan(x)
+        plan4, _ = mod4._plan(x)
+        assert plan4 is not None
+        assert torch.equal(mod4._planned(x), gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse"))
+        with torch.inference_mode(inference):
+            mod4.input_global_scale.mul_(2)  # a new static scale, in place
+        assert mod4._plan(x)[0] is plan4
+        assert torch.equal(mod4._planned(x), gm.linear_w4a4(x, wq, mod4.input_amax(), four_six="mse"))
 
 
 @interpreted
@@ -431,10 +435,12 @@ def test_w4a4_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, m, quant16_ro
     g = torch.Generator().manual_seed(m)
     plan = gm.linear_plan(torch.zeros(m, k).bfloat16(), wq, bias, amax, four_six)
     assert plan is not None
-    for _ in range(3):
+    for call in range(4):
         x = (torch.randn(m, k, generator=g) * 2).bfloat16()
-        assert torch.equal(plan(x), gm.linear_w4a4(x, wq, amax, bias, four_six=four_six))
+        a = amax * (1 + call % 2)  # the amax of each call
+        assert torch.equal(plan(x, a), gm.linear_w4a4(x, wq, a, bias, four_six=four_six))
     assert gm.linear_plan(x, wq, bias, amax.double(), four_six) is None  # an amax the dispatch converts
+    assert plan(x, amax.double()) is None
 
 
 def _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, config_name, config_for):

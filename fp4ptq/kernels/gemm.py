@@ -1571,14 +1571,15 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
                 input_amax: Optional[torch.Tensor] = None, four_six: Optional[str] = None):
     """The launches of ``linear_w4a16(x, weight, bias)`` (or, given ``input_amax``, ``linear_w4a4(x,
     weight, input_amax, bias, four_six=four_six)``) decided once for inputs shaped like ``x`` (shape,
-    strides, dtype, device): a callable ``plan(x) -> y``, which returns None for an input it cannot
-    take (another device current, an activation address the kernels' vector loads cannot use: the
-    dispatch then takes that call), or None where the path is not planned (gemv4 / gemv5, the tiled
-    GEMM and dequantize + cuBLAS; W4A4 quantized inside the GEMV or on FP4 tensor cores; operands the
-    dispatch would copy). A plan holds views of the weight's buffers (and the amax tensor) and its launches
-    (``Launch``), which replay without Triton's binder from the third call; it gives the dispatch's
-    bits. Eager decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps
-    its plans (``modules.py``)."""
+    strides, dtype, device): a callable ``plan(x) -> y`` (W4A4: ``plan(x, input_amax)``, the amax of
+    that call), which returns None for a call it cannot take (another device current, an activation
+    address the kernels' vector loads cannot use, an amax not fp32 on x's device: the dispatch then
+    takes that call), or None where the path is not planned (gemv4 / gemv5, the tiled GEMM and
+    dequantize + cuBLAS; W4A4 quantized inside the GEMV or on FP4 tensor cores; operands the dispatch
+    would copy). A plan holds views of the weight's buffers and its launches (``Launch``), which
+    replay without Triton's binder from the plan's third call; it gives the dispatch's bits. Eager
+    decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps its plans
+    (``modules.py``)."""
     n, k, words, sbits, enc = _weight_views(weight)
     lead = x.shape[:-1]
     if (words.data_ptr() != weight.packed.data_ptr() or sbits.data_ptr() % 16 or enc.dtype != weight.global_enc.dtype
@@ -1610,31 +1611,32 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
             if qwords is None:
                 return None
         quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None)
-        x_enc, slots, align = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6), 4
+        x_enc, slots = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6)
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor
     else:
-        x_enc, slots, align = None, (0, 6), 1
+        x_enc, slots = None, (0, 6)
     if path == "gemv6" and x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0:
-        align = max(align, 8)  # x read as 8-byte words
+        align = 8  # x read as 8-byte words
         run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
                      slots=slots)
     elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
-        align = max(align, 16)  # 16-byte copies (TMA for wsgemm) of x
+        align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
         run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
     else:
         return None
-    if quantize is not None:
-        align = 4  # (the quantized operand is a fresh tensor; x is read as int32 words or fp32-compared)
+    if quantize is not None:  # the GEMM reads the fresh quantized operand; x itself goes to the quantize
+        align = 4             # kernel, as int32 words or fp32-compared
     index, on_cuda, shape, dtype = device.index, device.type == "cuda", (m, n), x2.dtype
 
-    def plan(x: torch.Tensor) -> Optional[torch.Tensor]:
+    def plan(x: torch.Tensor, input_amax: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         x2 = x.view(-1, k)
         if x2.data_ptr() % align or (on_cuda and torch.cuda.current_device() != index):
             return None
-        out = torch.empty(shape, dtype=dtype, device=device)
         if quantize is None:
-            return run(x2, out).view(*lead, n)
-        xs, x_enc = quantize(x2.view(torch.int32) if qwords is not None else x2)
-        return run(xs, x_enc.reshape(1), out).view(*lead, n)
+            return run(x2, torch.empty(shape, dtype=dtype, device=device)).view(*lead, n)
+        if input_amax.device != device or input_amax.dtype != torch.float32:
+            return None
+        xs, x_enc = quantize(x2.view(torch.int32) if qwords is not None else x2, input_amax.reshape(1))
+        return run(xs, x_enc.reshape(1), torch.empty(shape, dtype=dtype, device=device)).view(*lead, n)
     return plan

@@ -984,7 +984,7 @@ def launch_quantize(
     if x.numel() == 0:  # nothing to launch; the global scale still follows the amax
         enc = nvfp4.global_encode_scale(amax.reshape(()), four_six is not None).to(x.device)
         return _returned(_outputs(*x.shape, x.dtype, x.device, four_six, emit, out_dtype, enc))
-    return quantize_launches(x, words, amax, four_six, emit, out_dtype)(x if words is None else words)
+    return quantize_launches(x, words, amax, four_six, emit, out_dtype)(x if words is None else words, amax)
 
 
 def _takes_quant16(x: torch.Tensor, emit: str, out_dtype: Optional[torch.dtype]) -> bool:
@@ -1019,7 +1019,8 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
                       emit: str, out_dtype: Optional[torch.dtype]):
     """``launch_quantize``'s launch for inputs shaped like ``x`` (``words``: its int32 view for the 16-bit
     kernel, or None for the fp32-compare one; ``amax`` fp32 [1] on x's device) as a callable
-    ``run(x or words)`` that allocates the outputs, launches, and returns what ``launch_quantize`` does."""
+    ``run(x or words, amax)`` that allocates the outputs, launches, and returns what ``launch_quantize``
+    does (the amax too is read at each call: a layer's static scale can change between calls)."""
     m, k = x.shape
     dev, dtype = x.device, x.dtype
     sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)
@@ -1040,17 +1041,17 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
         args = (words, amax, None, None, None, None, None, None, m, k, words.stride(0), sstride // 2, n_tiles, n_ktiles)
         kwargs.update(F16=dtype == torch.float16, ASM=not INTERPRET, BLOCK_M=block_m, BLOCKS_K=blocks_k,
                       TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six), num_warps=warps)
-        slots = (0, 2, 3, 4, 5, 6, 7)  # words, table, enc, and the four outputs (enc where one is not written)
+        slots = (0, 1, 2, 3, 4, 5, 6, 7)  # words, amax, table, enc, and the four outputs (enc where one is not written)
     else:
         block_m, blocks_k, warps = _tile(m, k)
         grid = (cdiv(m, block_m), cdiv(k // BLOCK_SIZE, blocks_k))
         kernel = _quantize_kernel
         args = (x, amax, None, None, None, None, None, m, k, x.stride(0), sstride)
         kwargs.update(BLOCK_M=block_m, BLOCKS_K=blocks_k, num_warps=warps)
-        slots = (0, 2, 3, 4, 5, 6)  # x, enc, and the four outputs
+        slots = (0, 1, 2, 3, 4, 5, 6)  # x, amax, enc, and the four outputs
     launch = Launch(kernel, grid, args, slots, kwargs)
 
-    def run(xin: torch.Tensor):
+    def run(xin: torch.Tensor, amax: torch.Tensor):
         outs = _outputs(m, k, dtype, dev, four_six, emit, out_dtype)
         if emit == "scaled":
             scaled, enc = outs
@@ -1060,9 +1061,9 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
             targets = (packed.view(torch.int32), scale.view(torch.uint8), chose if chose is not None else enc, enc)
         if words is not None:
             table = torch.empty(table_size, dtype=torch.int32, device=dev) if table_size else enc
-            launch(xin, table, enc, *targets)
+            launch(xin, amax, table, enc, *targets)
         else:
-            launch(xin, enc, *targets)
+            launch(xin, amax, enc, *targets)
         return _returned(outs)
     return run
 
