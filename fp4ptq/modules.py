@@ -261,10 +261,12 @@ class NVFP4Linear(nn.Module):
         plan, key = self._plan(x)
         if plan is None:
             return None
+        amax = (self._cached_input_amax(),) if self.scheme == "w4a4" else ()
         try:
-            if self.scheme == "w4a4":
-                return plan(x, self._cached_input_amax())
-            return plan(x)
+            if x.is_cuda and x.device.index != torch.cuda.current_device():  # a layer on another GPU
+                with torch.cuda.device(x.device):                          # (device_map): launch there
+                    return plan(x, *amax)
+            return plan(x, *amax)
         except Exception:  # noqa: BLE001 - e.g. a Gluon config that fails to build: the dispatch falls back
             self._plans[key] = None
             return None

@@ -26,6 +26,10 @@ on sm_90 it takes 129 <= M <= 1024 where its tiles fill the SMs, once its
 self-test passed; dequantize + cuBLAS otherwise) and ``dot_scaled.py``
 (NVFP4 x NVFP4 on the FP4 tensor cores of sm_100 and later through
 ``tl.dot_scaled``, used for W4A4 there after a self-test on the device).
+
+``linear_plan`` gives the same launches decided once for a repeated input shape (``gemm.linear_plan``;
+``NVFP4Linear`` keeps them per shape for eager calls): every launch site builds ``_launch.Launch``
+objects, which replay the compiled kernels past Triton's argument binding (Triton 3.6).
 """
 from __future__ import annotations
 
