@@ -50,13 +50,17 @@ def cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - an older Triton: no hook chains to look at
+    _knobs = None
+
+
 def _hooks_idle() -> bool:
     """No launch hooks installed (a profiler such as proton installs them; they need Triton's path)."""
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - an older Triton: no hook chains to look at
+    if _knobs is None:
         return True
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
