@@ -1262,14 +1262,6 @@ def split_run(launch: Launch, splits: int, y: torch.Tensor, bias: Optional[torch
     return run_split
 
 
-def sum_splits(target: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``y = sum of target's partial sums in split order (+ bias)`` when ``target`` is a
-    ``split_workspace``; nothing to do when the launch wrote ``y`` directly."""
-    if target is not y:
-        split_finish(target.shape[0], y, bias)(target, y)
-    return y
-
-
 def _gemv_config(m: int, n: int, k: int):
     """(BLOCK_N, BLOCK_W, num_warps): one-warp programs of 4 rows for wide
     layers, 4-warp programs of 16 rows for narrow ones (H200 sweeps)."""
