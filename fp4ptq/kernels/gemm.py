@@ -566,7 +566,6 @@ def _gemv_resident_kernel(
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False, KB_C: tl.constexpr = 0,
-    L2_AHEAD: tl.constexpr = 0, L2_OP: tl.constexpr = 1,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -585,8 +584,6 @@ def _gemv_resident_kernel(
     # PREFETCH: each row tile's weights are loaded one loop step ahead (the
     # first before x is loaded and packed), so a tile's loads are in flight
     # while the previous tile is decoded (the H200 sweep: large layers only).
-    # L2_AHEAD: the row tile that many steps ahead is prefetched into L2 (no
-    # registers held; K/16 a multiple of 16 and at least 128).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -597,10 +594,8 @@ def _gemv_resident_kernel(
         kb = KB_C
     if SPLIT:
         seg = tl.program_id(2)
-        b_first = seg * KBP
-        ab = b_first + tl.arange(0, KBP)
+        ab = seg * KBP + tl.arange(0, KBP)
     else:
-        b_first = 0
         ab = tl.arange(0, KBP)
     b_ok = ab < kb
     bidx = tl.where(b_ok, ab, 0)
@@ -629,8 +624,6 @@ def _gemv_resident_kernel(
         n = t * ROWS + ar
         n_ok = n < N
         n = tl.where(n_ok, n, 0).to(tl.int64)
-        if L2_AHEAD > 0:
-            _l2_prefetch_tile(w_ptr, s_ptr, t + L2_AHEAD * nprog, b_first, N, kb, ROWS, KBP, KB_C, L2_OP)
         if PREFETCH:  # this tile's blocks came one step ago; the next tile's go in flight now
             cur, csb = blk, sb
             blk, sb = _load_tile(w_ptr, s_ptr, t + nprog, ROWS, ar, N, kb, ab, EVEN_K, KB_C)
@@ -681,42 +674,6 @@ def _load_blocks_t(w_ptr, s_ptr, roff, kb, b0, ab, EVEN_K: tl.constexpr, KB_C: t
         return _codes_and_scales(w_ptr + offs, s_ptr + offs, ok[:, None], EVEN_K)
 
 
-
-@triton.jit
-def _l2_prefetch(ptrs, OP: tl.constexpr):
-    """A hint that brings the 128-byte lines at ``ptrs`` into L2 ahead of their loads, holding no
-    register while they are in flight: ``prefetch.global.L2`` (``OP`` 1) or a 128-byte
-    ``cp.async.bulk.prefetch.L2.global`` (2, sm_90). The result is a dummy; not pure, so never dropped."""
-    if OP == 2:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 128; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch_tile(w_ptr, s_ptr, t, b0, N, kb, ROWS: tl.constexpr, NB: tl.constexpr, KB_C: tl.constexpr,
-                      OP: tl.constexpr):
-    """L2 prefetch of blocks ``b0 .. b0 + NB`` of row tile ``t``'s ROWS rows (the rows ``_tile_offsets_t``
-    reads: a tile past the last one reads real rows too): codes as ROWS * NB/16 lines of 128 bytes
-    (one a thread for the shipped tiles), scales as ROWS lines. Lines are clamped inside their row
-    (the caller ensures K/16 >= max(NB, 128) and K/16 % 16 == 0), so no address leaves the tensors."""
-    li = tl.arange(0, ROWS * (NB // 16))
-    r = li // (NB // 16)
-    blk = tl.minimum(b0 + (li % (NB // 16)) * 16, kb - 16)
-    rs = tl.arange(0, ROWS)
-    if KB_C > 0:
-        base = tl.minimum(t, N // ROWS - 1) * (ROWS * KB_C)
-        roff = base + r * KB_C
-        soff = base + rs * KB_C
-    else:
-        roff = _tile_rows(t, ROWS, r, N) * kb
-        soff = _tile_rows(t, ROWS, rs, N) * kb
-    _l2_prefetch(w_ptr + roff + blk, OP)
-    _l2_prefetch(s_ptr + soff + tl.minimum(b0, kb - 128), OP)
-
-
 @triton.jit
 def _gemv_stream_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
@@ -724,7 +681,6 @@ def _gemv_stream_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
-    L2_AHEAD: tl.constexpr = 0, L2_OP: tl.constexpr = 1,
 ):
     # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
     # program's registers is split into segments, each program walks a few row
@@ -738,9 +694,7 @@ def _gemv_stream_kernel(
     # thread holds every row of its blocks); the block products are summed into
     # a [KC, ROWS] fp32 accumulator across chunks and reduced over the threads
     # once per tile. PREFETCH: the next step's codes and scales are loaded
-    # before this step's decode. EVEN_K: KC divides K/16 (no masks). L2_AHEAD
-    # (at most the chunks a tile): the step that many ahead is prefetched into
-    # L2 (no registers), so this step's loads meet L2 instead of DRAM.
+    # before this step's decode. EVEN_K: KC divides K/16 (no masks).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -767,11 +721,6 @@ def _gemv_stream_kernel(
         t_next = tl.where(last, t + nprog, t)
         c_next = tl.where(last, 0, c + 1)
         roff_next = _tile_offsets_t(t_next, ROWS, ar, N, kb, KB_C)
-        if L2_AHEAD > 0:
-            c_l2 = c + L2_AHEAD
-            wrap = c_l2 >= chunks
-            _l2_prefetch_tile(w_ptr, s_ptr, tl.where(wrap, t + nprog, t), tl.where(wrap, c_l2 - chunks, c_l2) * KC,
-                              N, kb, ROWS, KC, KB_C, L2_OP)
         if PREFETCH:  # this step's blocks came one step ago; the next step's go in flight now
             cur, csb = blk, sb
             blk, sb = _load_blocks_t(w_ptr, s_ptr, roff_next, kb, c_next * KC, ab, EVEN_K, KB_C, ROWS)
@@ -1146,20 +1095,6 @@ if GEMV7 not in ("auto", "0", "1"):
     raise ValueError(f"FP4PTQ_GEMV7={GEMV7!r}: use auto (where measured faster), 1 (always) or 0 (never)")
 # the three-operation decode of a code pair (``_pair_mul``); "0" keeps the four-operation one
 GEMV6_MULDEC = os.environ.get("FP4PTQ_GEMV6_MULDEC", "1") == "1"
-# L2 prefetch in the GEMVs: steps ahead (0: none) for gemv7 / gemv6, and the instruction (``_l2_prefetch``)
-GEMV7_L2_AHEAD = int(os.environ.get("FP4PTQ_GEMV7_L2_AHEAD", "0"))
-GEMV6_L2_AHEAD = int(os.environ.get("FP4PTQ_GEMV6_L2_AHEAD", "0"))
-GEMV_L2_OP = int(os.environ.get("FP4PTQ_GEMV_L2_OP", "1"))
-
-
-def _l2_ahead(ahead: int, k: int, nb: int) -> dict:
-    """The L2-prefetch arguments of a GEMV build reading ``nb`` blocks a row a step: none under the
-    interpreter (inline PTX) or where a prefetched line could leave its row (K/16 under 128 or
-    under ``nb``, or not a multiple of 16)."""
-    kb = k // BLOCK_SIZE
-    if ahead <= 0 or INTERPRET or k % 256 or kb < max(128, nb):
-        return {}
-    return dict(L2_AHEAD=ahead, L2_OP=GEMV_L2_OP)
 
 
 def _gemv7_config(m: int, n: int, k: int):
@@ -1200,8 +1135,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
-                  KB_C=_const_kb(n, k, rows), num_warps=warps,
-                  **_l2_ahead(min(GEMV7_L2_AHEAD, cdiv(kb, kc)), k, kc))
+                  KB_C=_const_kb(n, k, rows), num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(cdiv(n, rows), programs)), m)
     return Launch(_gemv_stream_kernel, grid, args, slots, kwargs)
@@ -1278,7 +1212,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k),
-                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), **_l2_ahead(GEMV6_L2_AHEAD, k, min(kbp, 128)))
+                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)

@@ -41,7 +41,6 @@ benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional
 
@@ -156,26 +155,6 @@ else:  # pragma: no cover - the H200's Triton 3.6
 
 
 @gluon.jit
-def _l2_prefetch(ptrs, OP: gl.constexpr):
-    """A hint that brings the 128-byte lines at ``ptrs`` into L2 ahead of their copies (no shared
-    memory or registers held meanwhile): ``prefetch.global.L2`` (``OP`` 1) or a 128-byte
-    ``cp.async.bulk.prefetch.L2.global`` (2). The result is a dummy; not pure, so never dropped."""
-    if OP == 2:
-        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 128; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  gl.int32, False, 1)
-    else:
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], gl.int32, False, 1)
-
-
-@gluon.jit
-def _l2_prefetch_step(w_ptr, s_ptr, w_row, s_row, k0, OP: gl.constexpr):
-    """L2 prefetch of one step's code words (a thread's row: ``w_row`` + K/8 offset) and the scale
-    line that holds its bytes."""
-    _l2_prefetch(w_row + k0 // 8, OP)
-    _l2_prefetch(s_row + k0 // 16, 1)
-
-
-@gluon.jit
 def _spread8(v):
     """``[..]`` -> ``[.., 2, 2, 2]``: eight register copies (one per code of a word)."""
     v = gl.join(v, v)
@@ -249,10 +228,7 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    L2_AHEAD: gl.constexpr = 0, L2_OP: gl.constexpr = 1,
 ):
-    # L2_AHEAD: the step that many past the loads in flight is prefetched into L2 (each thread one row's
-    # code words and its scale line), so the ring's copies meet L2 instead of DRAM.
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
     KW = KW8 * 8  # words a row (K / 8)
@@ -275,12 +251,6 @@ def _mma_kernel(
     k_hi = gl.minimum(k_lo + K_SPLIT, KW8 * 64)  # K; the last program's K range may be shorter (whole steps)
     k_last = k_hi - BK
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    if L2_AHEAD > 0:  # a row a thread (the shipped tiles have as many rows as threads)
-        pl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        rp = pid_n * BN + gl.arange(0, BN, layout=pl)
-        rp = gl.where(rp < N, rp, 0).to(gl.int64)
-        w_row = w_ptr + rp * KW
-        s_row = s_ptr + rp * KB
     if STAGES >= 2:  # cp.async ring of STAGES steps in shared memory
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
@@ -312,9 +282,6 @@ def _mma_kernel(
             _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
             _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
             async_copy.commit_group()
-            if L2_AHEAD > 0:
-                kp = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1 + L2_AHEAD) * BK, k_last), BK)
-                _l2_prefetch_step(w_ptr, s_ptr, w_row, s_row, kp, L2_OP)
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
@@ -322,8 +289,6 @@ def _mma_kernel(
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
         for k0 in range(k_lo, k_last + BK, BK):
             wn, sn, xn = _load_step(w_ptr, s_ptr, x_ptr, gl.minimum(k0 + BK, k_last), w_off, s_off, x_off)
-            if L2_AHEAD > 0:
-                _l2_prefetch_step(w_ptr, s_ptr, w_row, s_row, gl.minimum(k0 + (1 + L2_AHEAD) * BK, k_last), L2_OP)
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
             acc = mma_v2(a, b, acc)
             wp, sb, xp = wn, sn, xn
@@ -340,9 +305,6 @@ def _mma_kernel(
 
 
 MAX_M = 64
-# L2 prefetch in the kernel: steps past the ring's loads in flight (0: none), and the instruction
-MMA_L2_AHEAD = int(os.environ.get("FP4PTQ_MMA_L2_AHEAD", "0"))
-MMA_L2_OP = int(os.environ.get("FP4PTQ_MMA_L2_OP", "1"))
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
@@ -435,8 +397,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
-             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps,
-             **(dict(L2_AHEAD=MMA_L2_AHEAD, L2_OP=MMA_L2_OP) if MMA_L2_AHEAD > 0 and stages != 1 else {})))
+             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps))
     return split_run(launch, splits, y, bias)
 
 
