@@ -16,6 +16,11 @@ and the per-call slots must be tensors: a replay checks each one's dtype and 16-
 against the capture and takes Triton's own path on any difference, on another current device, or
 while launch hooks (profilers) are installed.
 
+Where the compiled kernel needs no scratch buffers, the replay calls the C launcher itself, past
+the Python wrapper that would otherwise expand every TMA descriptor argument on each call
+(``make_tensordesc_arg``: about 3 us each on the H200 host): fixed descriptors (a weight's) are
+expanded once at capture, per-call ones once per address, shape and strides (a few kept).
+
 The replay uses Triton's launcher interface of the versions it was checked on (``FAST_VERSIONS``);
 on others, under the interpreter, or with ``FP4PTQ_FAST_LAUNCH=0``, every call is Triton's own
 launch. ``FP4PTQ_FAST_LAUNCH=1`` forces the replay on another version.
@@ -34,6 +39,8 @@ FAST_LAUNCH = os.environ.get("FP4PTQ_FAST_LAUNCH", "auto")
 if FAST_LAUNCH not in ("auto", "0", "1"):
     raise ValueError(f"FP4PTQ_FAST_LAUNCH={FAST_LAUNCH!r}: use auto (the checked Triton versions), 1 or 0")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# replays call the C launcher itself where they can ("0": through Triton's Python launcher, as before)
+C_LAUNCH = os.environ.get("FP4PTQ_C_LAUNCH", "1") == "1"
 
 
 def fast_launch_enabled() -> bool:
@@ -66,13 +73,41 @@ def _hooks_idle() -> bool:
     return True
 
 
+DESC_CACHE = 16  # per-call TMA descriptors expanded and kept per Launch (by address, shape, strides)
+
+
+def _c_launcher(run, positions: int):
+    """(C launch function, cooperative, PDL, {kernel-argument position: TMA metadata}, expander) of a
+    Triton 3.6 ``CudaLauncher`` whose kernel needs no scratch memory, or None (another launcher, a
+    wrapper this code does not know, scratch buffers to allocate each call)."""
+    try:
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+    except AttributeError:
+        return None
+    code = getattr(launch, "__code__", None)
+    if code is None:  # the compiled C function itself: no descriptor arguments
+        return launch, coop, pdl, {}, None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+    expand = launch.__globals__.get("make_tensordesc_arg")
+    if code.co_name != "inner" or set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} \
+            or not callable(expand):
+        return None
+    indices = sorted(cells["tensordesc_indices"])
+    metas = cells["tensordesc_meta"]
+    if len(metas) != len(indices) or (indices and indices[-1] >= positions):
+        return None
+    return cells["launcher"], coop, pdl, dict(zip(indices, metas)), expand
+
+
 class Launch:
     """``kernel[grid](*args, **kwargs)`` with ``args`` fixed except at the positions ``slots``, which
     each call fills, in order, with tensors: ``Launch(k, grid, args, slots, kwargs)(x, y)``.
     The first call of a specialization takes Triton's path; the second captures it; later ones
     replay it (see the module docstring)."""
 
-    __slots__ = ("kernel", "grid", "args", "slots", "kwargs", "_seen", "_direct")
+    __slots__ = ("kernel", "grid", "args", "slots", "kwargs", "_seen", "_direct", "_c", "_descs")
 
     def __init__(self, kernel, grid: Sequence[int], args: Sequence, slots: Sequence[int], kwargs: dict):
         grid = tuple(int(g) for g in grid)
@@ -83,6 +118,8 @@ class Launch:
         self.kwargs = kwargs
         self._seen = None    # the slots' (dtype, aligned) of the last call through Triton's path
         self._direct = None  # (launcher, function, metadata, device, slot specs, tail values) or False
+        self._c = None       # the C launcher's call: (function, head, flat arguments, slot places) or None
+        self._descs = {}     # per-call TMA descriptors expanded for the C launcher
 
     @staticmethod
     def _spec(tensors) -> tuple:
@@ -102,6 +139,10 @@ class Launch:
         if direct:
             run, function, metadata, device, spec, tail = direct
             if torch.cuda.current_device() == device and self._spec(tensors) == spec and _hooks_idle():
+                c = self._c
+                if c is not None:
+                    self._c_call(c, device, tensors)
+                    return
                 args = self.args.copy()  # (a copy: calls from two threads do not share it)
                 for i, t in zip(self.slots, tensors):
                     args[i] = t
@@ -118,7 +159,56 @@ class Launch:
         spec = self._spec(tensors)
         if self._seen == spec and direct is None:
             self._direct = self._capture(compiled, args, spec) or False  # False: not replayable here
+            if self._direct:
+                self._c = self._c_capture(args)
         self._seen = spec
+
+    def _c_capture(self, args: list) -> Optional[tuple]:
+        """The C launcher's call for this capture: its fixed leading arguments, the kernel arguments
+        flattened as the Python wrapper would (descriptors expanded), and where each slot goes."""
+        run, function, metadata, _, _, tail = self._direct
+        values = list(args) + list(tail)
+        c = _c_launcher(run, len(values)) if C_LAUNCH else None
+        if c is None:
+            return None
+        launch, coop, pdl, descs, expand = c
+        flat, places = [], {}
+        try:
+            for i, v in enumerate(values):
+                if i in descs:
+                    parts = expand(v, descs[i])
+                    if i in self.slots:
+                        if descs[i] is None:  # an expansion holding the tensor itself: not kept
+                            return None
+                        places[i] = (len(flat), len(parts), descs[i])
+                        parts = [None] * len(parts)
+                    flat.extend(parts)
+                else:
+                    if i in self.slots:
+                        places[i] = (len(flat), 0, None)
+                        v = None
+                    flat.append(v)
+        except Exception:  # noqa: BLE001 - a descriptor this Triton expands differently: keep its wrapper
+            return None
+        head = (function, coop, pdl, None, None, metadata, None, None, None)
+        return launch, head, flat, [places[i] for i in self.slots], expand
+
+    def _c_call(self, c: tuple, device: int, tensors) -> None:
+        launch, head, flat, places, expand = c
+        flat = flat.copy()
+        for (at, width, meta), t in zip(places, tensors):
+            if width == 0:
+                flat[at] = t
+                continue
+            key = (t.base.data_ptr(), tuple(t.shape), tuple(t.strides), t.padding)
+            parts = self._descs.get(key)
+            if parts is None:
+                if len(self._descs) >= DESC_CACHE:
+                    self._descs.clear()
+                parts = self._descs[key] = expand(t, meta)
+            flat[at:at + width] = parts
+        g = self.grid
+        launch(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), *head, *flat)
 
     def _capture(self, compiled, args: list, spec: tuple) -> Optional[tuple]:
         """The replay state of a kernel just launched by Triton with ``args`` (None where this Triton's
