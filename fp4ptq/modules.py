@@ -238,13 +238,14 @@ class NVFP4Linear(nn.Module):
         writes are read by the next launch. W4A4: the amax goes to each call (``_planned``)."""
         bias = self._parameters.get("bias")
         buffers = self._buffers
-        held = (buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"], bias)
-        sources = tuple(id(t) for t in held) + tuple(t.data_ptr() for t in held if t is not None)
+        packed, scale, enc = buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"]
+        sources = (id(packed), id(scale), id(enc), id(bias), packed.data_ptr(), scale.data_ptr(), enc.data_ptr(),
+                   None if bias is None else bias.data_ptr())
         plans = self._plans
         if plans is None or sources != self._plan_sources or len(plans) >= MAX_PLANS:
             plans = self._plans = {}  # (views of replaced buffers go with the old plans)
             self._plan_sources = sources
-        key = (x.shape, x.stride(), x.dtype, x.device)
+        key = (x.shape, x.stride(), x.dtype, x.get_device())  # (plans are for CUDA inputs only)
         plan = plans.get(key, _UNSEEN)
         if plan is _UNSEEN:  # a signature's first call goes through the dispatch (a prompt length
             plans[key] = plan = _SEEN_ONCE  # seen once would not repay building a plan)
@@ -263,7 +264,7 @@ class NVFP4Linear(nn.Module):
             return None
         amax = (self._cached_input_amax(),) if self.scheme == "w4a4" else ()
         try:
-            if x.is_cuda and x.device.index != torch.cuda.current_device():  # a layer on another GPU
+            if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # a layer on another GPU
                 with torch.cuda.device(x.device):                          # (device_map): launch there
                     return plan(x, *amax)
             return plan(x, *amax)

@@ -46,6 +46,7 @@ class FakeKernel:
 def fast(monkeypatch):
     monkeypatch.setattr(_launch, "fast_launch_enabled", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
 
@@ -97,7 +98,7 @@ def test_launch_hooks_and_another_device_take_triton_s_path(fast, monkeypatch):
     monkeypatch.setattr(_launch, "_hooks_idle", lambda: False)
     launch(x, y)
     monkeypatch.setattr(_launch, "_hooks_idle", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(_launch, "current_device", lambda: 1)
     launch(x, y)
     assert [e[0] for e in kernel.log] == ["triton"] * 4
 

@@ -50,6 +50,12 @@ def fast_launch_enabled() -> bool:
     return FAST_LAUNCH == "1" or triton.__version__.startswith(FAST_VERSIONS)
 
 
+def current_device() -> int:
+    """The current CUDA device's index, without ``torch.cuda.current_device``'s Python checks (about
+    1 us a call on the H200 host; a replay asks once a launch, and CUDA is initialized by then)."""
+    return torch._C._cuda_getDevice()
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_sm_count(index: int) -> int:
     """The SM count of GPU ``index`` (asked once per GPU: ``get_device_properties`` costs about 10 us a
@@ -138,7 +144,7 @@ class Launch:
         direct = self._direct
         if direct:
             run, function, metadata, device, spec, tail = direct
-            if torch.cuda.current_device() == device and self._spec(tensors) == spec and _hooks_idle():
+            if current_device() == device and self._spec(tensors) == spec and _hooks_idle():
                 c = self._c
                 if c is not None:
                     self._c_call(c, device, tensors)
@@ -214,7 +220,7 @@ class Launch:
         """The replay state of a kernel just launched by Triton with ``args`` (None where this Triton's
         internals are not the ones the replay was written for)."""
         try:
-            device = torch.cuda.current_device()
+            device = current_device()
             binder = self.kernel.device_caches[device][4]
             params, _, _ = binder(*args, **self.kwargs)
             values = list(params.values())

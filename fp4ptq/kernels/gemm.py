@@ -70,7 +70,7 @@ from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from . import quantize_kernel
 from ._ints import cdiv, next_pow2
-from ._launch import Launch, cuda_sm_count
+from ._launch import Launch, cuda_sm_count, current_device
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
@@ -1623,7 +1623,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
 
     def plan(x: torch.Tensor, input_amax: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         x2 = x.view(-1, k)
-        if x2.data_ptr() % align or (on_cuda and torch.cuda.current_device() != index):
+        if x2.data_ptr() % align or (on_cuda and current_device() != index):
             return None
         if quantize is None:
             return run(x2, torch.empty(shape, dtype=dtype, device=device)).view(*lead, n)
