@@ -13,7 +13,9 @@ and the share of generated tokens equal between rounds, within a variant and bet
 
     PYTHONPATH=$PWD python benchmarks/eager_generate_h200.py   # $OUT/eager_generate_h200.json
 
-Knobs: PROMPT (512), NEW (64), ROUNDS (5), SCHEMES (bf16,w4a16,w4a4), LAYERS (32).
+Knobs: PROMPT (512), NEW (64), ROUNDS (5), SCHEMES (bf16,w4a16,w4a4), LAYERS (32), PLANS_OFF (1: also time
+the NVFP4 models with plans off), FUSED (0; 1: also time each NVFP4 model with its q/k/v and gate/up run as
+one GEMM a group, ``fp4ptq.fuse_projections``, its logits compared with the unfused model's).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ PROMPT = int(os.environ.get("PROMPT", 512))
 NEW = int(os.environ.get("NEW", 64))
 ROUNDS = int(os.environ.get("ROUNDS", 5))
 SCHEMES = os.environ.get("SCHEMES", "bf16,w4a16,w4a4").split(",")
+PLANS_OFF = os.environ.get("PLANS_OFF", "1") == "1"
+FUSED = os.environ.get("FUSED", "0") == "1"
 
 
 def generate(model, ids, new: int):
@@ -77,7 +81,20 @@ def main():
     ids = torch.randint(0, e2e.SIZES["vocab_size"], (1, PROMPT), device=e2e.dev,
                         generator=torch.Generator(device=e2e.dev).manual_seed(1))
     models = {scheme: base if scheme == "bf16" else e2e.quantized(base, scheme)[0] for scheme in SCHEMES}
-    variants = [(s, p) for s in SCHEMES for p in ((None,) if s == "bf16" else (True, False))]
+    variants = [(s, p) for s in SCHEMES for p in ((None,) if s == "bf16" else (True, False) if PLANS_OFF else (True,))]
+    if FUSED:
+        import copy
+
+        import fp4ptq
+        for scheme in [s for s in SCHEMES if s != "bf16"]:
+            fused = copy.deepcopy(models[scheme])
+            res[f"{scheme}_fusion"] = report = fp4ptq.fuse_projections(fused)
+            with torch.no_grad():
+                a, b = models[scheme](ids).logits.float(), fused(ids).logits.float()
+            report["logits_rel_diff_vs_unfused"] = float((a - b).norm() / a.norm())
+            print(scheme, "fused", report, flush=True)
+            models[scheme + "+fused"] = fused
+            variants.append((scheme + "+fused", True))
     times: dict = {}
     tokens: dict = {}
     for model in models.values():  # warm up: compiles, self-tests, first plans
@@ -101,7 +118,7 @@ def main():
                "decode_tokens_per_s_rounds": decode}
         runs = tokens[(scheme, plans)]
         row["token_agreement_between_rounds"] = agreement(runs, runs)
-        if plans is True:
+        if plans is True and (scheme, False) in tokens:
             row["token_agreement_with_plans_off"] = agreement(runs, tokens[(scheme, False)])
             row["logits_equal_plans_off"] = logits_check(models[scheme], ids)
         res["rows"].append(row)

@@ -24,6 +24,8 @@ _LAZY = {
     "save": "checkpoint",
     "load": "checkpoint",
     "load_source_model": "sources",
+    "fuse_projections": "fusion",
+    "unfuse_projections": "fusion",
 }
 
 

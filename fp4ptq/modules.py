@@ -99,6 +99,7 @@ class NVFP4Linear(nn.Module):
     _amax = None  # (input_global_scale's state, its amax) for W4A4 forwards
     _plans = None  # {input signature: plan or None}, for the buffers in _plan_sources
     _plan_sources = None
+    _fused = None  # (fusion.FusedProjections, this layer's index) while fused with its siblings
 
     def __init__(
         self,
@@ -289,7 +290,20 @@ class NVFP4Linear(nn.Module):
         state["_decoded"] = None   # weak references do not pickle, and the copy is derived data
         state["_amax"] = None
         state["_plans"] = None
+        state["_fused"] = None     # a copy runs on its own
         return state
+
+    def _shares_memory(self) -> bool:
+        """Whether the packed weight is a view into a larger buffer (``fusion.fuse_projections``)."""
+        packed = self.weight_packed
+        return packed.untyped_storage().nbytes() != packed.numel() * packed.element_size()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._shares_memory():  # fused: its own copies (checkpoint writers refuse shared memory)
+            for name in ("weight_packed", "weight_scale", "bias"):
+                if destination.get(prefix + name) is not None:
+                    destination[prefix + name] = destination[prefix + name].detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # compiled: one opaque op (no graph break, no Python traced per launch); it has no backward, so
@@ -297,6 +311,11 @@ class NVFP4Linear(nn.Module):
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
+        fused = self._fused
+        if fused is not None and not torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
+            y = fused[0].output(fused[1], x)  # one GEMM for the group (fp4ptq/fusion.py)
+            if y is not None:
+                return y
         if x.is_cuda and LAUNCH_PLANS:
             y = self._planned(x)
             if y is not None:

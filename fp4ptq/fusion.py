@@ -1,0 +1,198 @@
+"""Run the NVFP4 projections that read one input (q/k/v, gate/up) as one GEMM, in place.
+
+Transformers' decoder blocks call ``q_proj``, ``k_proj`` and ``v_proj`` (and ``gate_proj``, ``up_proj``)
+one after the other on the same hidden states. Serving engines fuse each such group into one matrix:
+one launch instead of three, and one wider layer that fills the GPU better (on the H200 at one token,
+the 8B q, k and v layers are each bound by launch latency). ``fuse_projections(model)`` does the same
+for an fp4ptq model without changing its modules or its ``state_dict``:
+
+* The members' packed weights and block scales are copied once into one buffer per group, and each
+  member's buffers become row views of it (no memory is added).
+* The first member called with an input runs the group's GEMM (an ``NVFP4Linear`` over the fused
+  buffers, with its own launch plans) and returns its slice of the output columns; the others, called
+  with the same input tensor (same object, unchanged since), return theirs without a launch.
+* Outputs equal the separate layers' up to the order of fp32 summation inside the kernels (a wider
+  layer may take another K split); each output element is still the exact products summed in fp32.
+
+A group fuses only when its members agree on what one GEMM needs: scheme, activation Four Over Six
+rule, dtype, device, input size, bias or none, and equal weight global scales (``fp4ptq.quantize``
+shares them across these groups, as engines require) and, for W4A4, equal input global scales.
+
+The fused path is skipped (the member runs alone) under ``torch.compile`` (the compiled custom op
+sees no tensor identities), when the input needs a gradient, and for any input other than the one
+the group last ran. A group that sees its members' buffers replaced (``.to()``, ``.cuda()``,
+assigning ``.data``) or written in place (``load_state_dict``, ``copy_``) dissolves itself for
+good: the members then run on their own buffers. Inference tensors have no version counter, so for
+buffers or inputs created under ``torch.inference_mode()`` only replacement is seen.
+
+``state_dict()`` of a fused member returns copies of its views (safetensors and ``save_pretrained``
+refuse tensors that share memory). ``unfuse_projections(model)`` gives every member its own buffers
+again.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .models import arch_spec, decoder_blocks
+from .modules import NVFP4Linear
+
+_SHARED = ("weight_packed", "weight_scale")
+
+
+def _version(t: Optional[torch.Tensor]):
+    """A tensor's version counter (None for no tensor or an inference tensor, which has none)."""
+    return None if t is None or t.is_inference() else t._version
+
+
+class FusedProjections:
+    """One fused group: its ``NVFP4Linear`` over the concatenated buffers, the members (whose
+    buffers are views of it) and the output of the last input it ran."""
+
+    def __init__(self, members: list):
+        first = members[0]
+        self.members = list(members)
+        self.bounds = []
+        row = 0
+        for m in members:
+            self.bounds.append((row, row + m.out_features))
+            row += m.out_features
+        bias = first.bias is not None
+        fused = NVFP4Linear(first.in_features, row, bias, scheme=first.scheme, act_four_six=first.act_four_six,
+                            dtype=first.dtype, device=first.weight_packed.device)
+        with torch.no_grad():
+            torch.cat([m.weight_packed for m in members], out=fused.weight_packed)
+            torch.cat([m.weight_scale for m in members], out=fused.weight_scale)
+            fused.weight_global_scale.copy_(first.weight_global_scale)
+            if first.input_global_scale is not None:
+                fused.input_global_scale.copy_(first.input_global_scale)
+            if bias:
+                torch.cat([m.bias for m in members], out=fused.bias.data)
+        fused.decode_cache = first.decode_cache
+        self.module = fused
+        for m, (r0, r1) in zip(members, self.bounds):
+            for name in _SHARED:
+                m._buffers[name] = getattr(fused, name)[r0:r1]
+            if bias:
+                m._parameters["bias"] = nn.Parameter(fused.bias.data[r0:r1], requires_grad=False)
+            m._plans = None
+            m._decoded = None
+        # what the group relies on: the members' tensors (by identity) and every version counter
+        self._held = [self._tensors(m) for m in members]
+        self._watched = [fused.weight_packed, fused.weight_scale, fused.bias, fused.weight_global_scale,
+                         fused.input_global_scale] + [t for m in members for t in (m.weight_global_scale,
+                                                                                 m.input_global_scale, m.bias)]
+        self._versions = [_version(t) for t in self._watched]
+        self._last = None  # (input, its version, fused output, members still to take their slice)
+        for i, m in enumerate(members):
+            m._fused = (self, i)
+
+    @staticmethod
+    def _tensors(m: NVFP4Linear) -> tuple:
+        b = m._buffers
+        return (b["weight_packed"], b["weight_scale"], b["weight_global_scale"], b.get("input_global_scale"),
+                m._parameters.get("bias"))
+
+    def intact(self) -> bool:
+        """Whether every member still holds the group's tensors, none written in place since."""
+        for m, held in zip(self.members, self._held):
+            if any(a is not b for a, b in zip(self._tensors(m), held)):
+                return False
+        return all(_version(t) == v for t, v in zip(self._watched, self._versions))
+
+    def release(self) -> None:
+        """Dissolve the group: every member runs on its own (view) buffers from now on."""
+        for m in self.members:
+            m._fused = None
+            m._plans = None
+        self.members, self._held, self._watched, self._last = [], [], [], None
+        self.module = None
+
+    def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Member ``index``'s output for ``x``, or None where the member must run alone."""
+        if self.module is None:
+            return None
+        if not self.intact():
+            self.release()
+            return None
+        r0, r1 = self.bounds[index]
+        last, version = self._last, _version(x)
+        if last is not None and last[0] is x and last[1] == version and last[3][index]:
+            last[3][index] = False
+            if not any(last[3]):
+                self._last = None  # every slice taken: hold nothing between calls
+            return last[2][..., r0:r1]
+        y = self.module(x)
+        pending = [True] * len(self.members)
+        pending[index] = False
+        self._last = (x, version, y, pending)
+        return y[..., r0:r1]
+
+
+def _mismatch(members: list) -> Optional[str]:
+    """Why these layers cannot run as one GEMM (None if they can)."""
+    first = members[0]
+    for m in members[1:]:
+        for attr in ("scheme", "act_four_six", "dtype", "in_features"):
+            if getattr(m, attr) != getattr(first, attr):
+                return f"{attr} differs ({getattr(first, attr)} / {getattr(m, attr)})"
+        if m.weight_packed.device != first.weight_packed.device:
+            return "the layers are on different devices"
+        if (m.bias is None) != (first.bias is None):
+            return "only some layers have a bias"
+        if not torch.equal(m.weight_global_scale, first.weight_global_scale):
+            return "the weight global scales differ (quantize the group with one shared amax)"
+        if first.input_global_scale is not None and not torch.equal(m.input_global_scale, first.input_global_scale):
+            return "the input global scales differ"
+    if any(m.weight_packed.is_meta for m in members):
+        return "the weights are on the meta device (offloaded)"
+    return None
+
+
+def fuse_projections(model: nn.Module) -> dict:
+    """Fuse every decoder block's q/k/v and gate/up NVFP4 layers (the fused groups of
+    ``fp4ptq.models``) in place. Returns ``{"fused": n, "skipped": {group name: reason}}``; groups
+    fused before are left as they are."""
+    spec = arch_spec(model)
+    fused, skipped = 0, {}
+    for b, block in enumerate(decoder_blocks(model, spec)):
+        for group in spec.groups:
+            if not group.fused:
+                continue
+            name = f"{spec.layers}.{b}.{{{','.join(group.linears)}}}"
+            members = [block.get_submodule(n) for n in group.linears]
+            if not all(isinstance(m, NVFP4Linear) for m in members):
+                skipped[name] = "not every layer is an NVFP4Linear"
+                continue
+            if any(m._fused is not None for m in members):
+                continue
+            reason = _mismatch(members)
+            if reason:
+                skipped[name] = reason
+                continue
+            FusedProjections(members)
+            fused += 1
+    return {"fused": fused, "skipped": skipped}
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Give every fused layer of ``model`` its own buffers again (copies of its views); returns how
+    many layers were fused."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, NVFP4Linear) and m._shares_memory():
+            if m._fused is not None:
+                m._fused[0].release()
+            with torch.no_grad():
+                for name in _SHARED:
+                    m._buffers[name] = m._buffers[name].clone()
+                if m.bias is not None:
+                    m._parameters["bias"] = nn.Parameter(m.bias.data.clone(), requires_grad=False)
+            m._plans = None
+            count += 1
+    return count
+
+
+__all__ = ["FusedProjections", "fuse_projections", "unfuse_projections"]

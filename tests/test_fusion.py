@@ -1,0 +1,221 @@
+"""``fp4ptq.fuse_projections``: q/k/v and gate/up run as one GEMM a group, with the same outputs,
+state dict and memory, and the group dissolves when its layers' buffers change."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import fp4ptq
+from fp4ptq import fusion
+from fp4ptq.modules import NVFP4Linear
+
+VOCAB = 128
+
+
+def _quantized(scheme="w4a16", qwen=False, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if qwen else LlamaForCausalLM(LlamaConfig(**kw))).eval()
+    if qwen:  # non-zero q/k/v biases, so the fused bias is checked
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.normal_()
+    calib = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(seed))
+    config = fp4ptq.QuantConfig(method="rtn", scheme=scheme, four_six="mse" if scheme == "w4a4" else None,
+                                nsamples=4, seqlen=16)
+    return fp4ptq.quantize(model, config, calib, progress=False)
+
+
+IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def _count_calls(monkeypatch):
+    """Counts ``kernels.linear_*`` calls (every NVFP4 product on the CPU goes through one)."""
+    from fp4ptq import kernels, modules
+    calls = []
+    for name in ("linear_w4a16", "linear_w4a4"):
+        real = getattr(kernels, name)
+
+        def counted(x, weight, *args, real=real, **kwargs):
+            calls.append(weight.shape[0])
+            return real(x, weight, *args, **kwargs)
+        monkeypatch.setattr(kernels, name, counted)
+    assert modules.kernels is kernels
+    return calls
+
+
+@pytest.mark.parametrize("scheme,qwen", [("w4a16", False), ("w4a4", False), ("w4a16", True)])
+def test_fused_groups_give_the_layers_outputs_in_fewer_products(monkeypatch, scheme, qwen):
+    model = _quantized(scheme, qwen)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = _logits(model)
+    report = fp4ptq.fuse_projections(model)
+    assert report == {"fused": 4, "skipped": {}}
+    calls = _count_calls(monkeypatch)
+    after = _logits(model)
+    # per block: q/k/v as one product of 64 + 32 + 32 rows, o, gate/up as one of 256, down
+    assert calls == [128, 64, 256, 64] * 2
+    # the reference products of a wider weight: the same exact products, summed in fp32
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    # the state dict: the same bits, in tensors of their own (checkpoint writers refuse shared memory)
+    fused_state = model.state_dict()
+    assert fused_state.keys() == state.keys()
+    for k, v in fused_state.items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+                           state[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else state[k]), k
+    ptrs = [v.untyped_storage().data_ptr() for v in fused_state.values()]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_fusing_adds_no_memory():
+    model = _quantized()
+    nbytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    fp4ptq.fuse_projections(model)
+    q = model.model.layers[0].self_attn.q_proj
+    storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+    assert sum(storages.values()) == nbytes
+    assert q._shares_memory() and q.weight_packed.untyped_storage().data_ptr() == \
+        model.model.layers[0].self_attn.v_proj.weight_packed.untyped_storage().data_ptr()
+
+
+def test_a_slice_is_handed_out_once_per_input():
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj._fused[0]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        q = attn.q_proj(x)
+        assert group._last is not None and group._last[0] is x
+        k = attn.k_proj(x)
+        v = attn.v_proj(x)
+        assert group._last is None  # every slice taken: nothing held
+        k2 = attn.k_proj(x)         # called again: computed again
+        x.mul_(2.0)                 # written in place: not the input the group ran
+        q2 = attn.q_proj(x)
+        other = torch.randn(3, 64)
+        v3 = attn.v_proj(other)     # another input: its own product
+    for name, y in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("k_proj", k2)):
+        assert torch.equal(y, _alone(getattr(attn, name), x / 2.0)), name
+    assert torch.equal(q2, _alone(attn.q_proj, x)) and torch.equal(v3, _alone(attn.v_proj, other))
+
+
+def _alone(layer: NVFP4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output computed by itself (not through its group)."""
+    fused, layer._fused = layer._fused, None
+    try:
+        with torch.no_grad():
+            return layer(x)
+    finally:
+        layer._fused = fused
+
+
+def test_in_place_writes_dissolve_the_group():
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    other = _quantized(seed=1)
+    k = model.model.layers[0].self_attn.k_proj
+    group = k._fused[0]
+    with torch.no_grad():
+        k.weight_packed.copy_(other.model.layers[0].self_attn.k_proj.weight_packed)
+    expected = _logits(_unfused_copy(model))
+    assert torch.equal(_logits(model), expected)
+    assert group.module is None and k._fused is None
+    # load_state_dict writes every buffer in place: the model follows the loaded weights
+    fp4ptq.fuse_projections(model)
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(_logits(model), _logits(other))
+
+
+def _unfused_copy(model):
+    copied = copy.deepcopy(model)
+    assert all(m._fused is None for m in copied.modules() if isinstance(m, NVFP4Linear))
+    return copied
+
+
+def test_replaced_buffers_dissolve_the_group():
+    model = _quantized()
+    before = _logits(model)
+    fp4ptq.fuse_projections(model)
+    model._apply(lambda t: t.clone())  # what .to() to another device does: new tensors
+    assert torch.equal(_logits(model), _logits(_unfused_copy(model)))
+    assert all(m._fused is None for m in model.modules() if isinstance(m, NVFP4Linear))
+    torch.testing.assert_close(_logits(model), before, rtol=1e-5, atol=1e-5)
+
+
+def test_copies_pickles_and_unfusing_keep_the_weights():
+    model = _quantized()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fp4ptq.fuse_projections(model)
+    fused_logits = _logits(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # (plain pickle cannot hold float8 tensors in this torch, fused or not)
+    buf.seek(0)
+    restored = torch.load(buf, weights_only=False)
+    copied = copy.deepcopy(model)
+    for m in (restored, copied):
+        assert torch.equal(_logits(m), _logits(_unfused_copy(model)))
+    assert fusion.unfuse_projections(model) == 10
+    assert not any(m._shares_memory() or m._fused is not None for m in model.modules() if isinstance(m, NVFP4Linear))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.view(torch.uint8), state[k].view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
+            else torch.equal(v, state[k])
+    torch.testing.assert_close(_logits(model), fused_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_of_a_fused_model_round_trips(tmp_path):
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    fp4ptq.save(model, tmp_path / "ckpt")
+    loaded = fp4ptq.load(tmp_path / "ckpt")
+    for k, v in model.state_dict().items():
+        w = loaded.state_dict()[k]
+        assert torch.equal(v.view(torch.uint8), w.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
+            else torch.equal(v, w), k
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)  # plain torch.save too
+
+
+def test_gradients_and_compilation_take_the_layers_own_path(monkeypatch):
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    calls = _count_calls(monkeypatch)
+    x = torch.randn(2, 64, requires_grad=True)
+    q = model.model.layers[0].self_attn.q_proj
+    y = q(x)  # a gradient is wanted: the layer alone (the reference path has a backward)
+    y.sum().backward()
+    assert calls == [64] and x.grad is not None
+    with torch.no_grad():
+        q(x)
+    assert calls == [64, 128]
+
+
+def test_groups_that_cannot_share_one_gemm_are_reported():
+    model = _quantized()
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight_global_scale.mul_(2.0)
+    model.model.layers[0].self_attn.v_proj = torch.nn.Linear(64, 32, bias=False)
+    report = fp4ptq.fuse_projections(model)
+    assert report["fused"] == 2
+    assert set(report["skipped"]) == {"model.layers.0.{self_attn.q_proj,self_attn.k_proj,self_attn.v_proj}",
+                                      "model.layers.1.{mlp.gate_proj,mlp.up_proj}"}
+    assert "global scales differ" in report["skipped"]["model.layers.1.{mlp.gate_proj,mlp.up_proj}"]
+    assert fp4ptq.fuse_projections(model)["fused"] == 0  # the fused ones stay as they are
+
+
+def test_unsupported_architectures_are_named():
+    from fp4ptq.models import UnsupportedArchitecture
+    with pytest.raises(UnsupportedArchitecture, match="no architecture table"):
+        fp4ptq.fuse_projections(torch.nn.Sequential(torch.nn.Linear(4, 4)))
