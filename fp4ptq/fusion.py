@@ -86,6 +86,7 @@ class FusedProjections:
                                                                                  m.input_global_scale, m.bias)]
         self._versions = [_version(t) for t in self._watched]
         self._last = None  # (input, its version, fused output, members still to take their slice)
+        self._pays = {}    # (rows, dtype, device): whether the fused GEMM takes as fast a path as the layers
         for i, m in enumerate(members):
             m._fused = (self, i)
 
@@ -110,12 +111,31 @@ class FusedProjections:
         self.members, self._held, self._watched, self._last = [], [], [], None
         self.module = None
 
+    def _fused_pays(self, x: torch.Tensor) -> bool:
+        """False where the kernels' shape rules send the fused layer to dequantize + cuBLAS while a
+        member alone gets a Triton kernel (H200, results/fusion_timing_h200.json: the 8B q/k/v at 512
+        rows, 6144 rows fused fill too few of wsgemm's tiles, and the fused call was 15-35% slower);
+        decided once per row count, dtype and device."""
+        key = (x.numel() // max(1, x.shape[-1]), x.dtype, x.device)
+        pays = self._pays.get(key)
+        if pays is None:
+            from .kernels import gemm
+            m, w4a4, k = key[0], self.module.scheme == "w4a4", self.module.in_features
+
+            def path(n: int) -> str:
+                return gemm._auto_path(m, x.dtype, w4a4, k, x.device, n)
+            pays = self._pays[key] = path(self.module.out_features) != "cublas" or all(
+                path(layer.out_features) == "cublas" for layer in self.members)
+        return pays
+
     def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Member ``index``'s output for ``x``, or None where the member must run alone."""
         if self.module is None:
             return None
         if not self.intact():
             self.release()
+            return None
+        if x.is_cuda and not self._fused_pays(x):
             return None
         r0, r1 = self.bounds[index]
         last, version = self._last, _version(x)

@@ -219,3 +219,25 @@ def test_unsupported_architectures_are_named():
     from fp4ptq.models import UnsupportedArchitecture
     with pytest.raises(UnsupportedArchitecture, match="no architecture table"):
         fp4ptq.fuse_projections(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_the_group_runs_alone_where_fusing_would_leave_the_triton_kernels(monkeypatch):
+    """On CUDA a group asks the kernels' shape rules first: where the fused layer would go to
+    dequantize + cuBLAS and a layer alone to a Triton kernel (the 8B q/k/v at 512 rows on the H200),
+    the layers run alone."""
+    from fp4ptq.kernels import gemm
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    group = model.model.layers[0].self_attn.q_proj._fused[0]
+    rules = {}
+    monkeypatch.setattr(gemm, "_auto_path", lambda m, dtype, w4a4, k, device, n: rules[n])
+    x = torch.randn(1, 5, 64)
+    for paths, pays in (({128: "cublas", 64: "wsgemm", 32: "wsgemm"}, False),
+                        ({128: "cublas", 64: "cublas", 32: "cublas"}, True),
+                        ({128: "wsgemm", 64: "cublas", 32: "wsgemm"}, True)):
+        rules.clear()
+        rules.update(paths)
+        group._pays.clear()
+        assert group._fused_pays(x) is pays
+        rules.clear()  # decided once per row count
+        assert group._fused_pays(x) is pays
