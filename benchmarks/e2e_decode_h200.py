@@ -19,7 +19,7 @@ Per model and batch size:
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/e2e_decode_h200.py   # $OUT/e2e_decode_h200.json
 
 Knobs: BATCHES (default 1,16), PROMPT (512), STEPS (128 timed graph replays), SCHEMES
-(bf16,w4a16,w4a4), COMPILE (0), LAYERS (32; fewer for a quick check), TINY=1 (a 2-layer
+(bf16,w4a16,w4a4; "w4a16+fused" / "w4a4+fused": q/k/v and gate/up fused, ``fp4ptq.fuse_projections``), COMPILE (0), LAYERS (32; fewer for a quick check), TINY=1 (a 2-layer
 small model, CPU-sized: checks the script, not a measurement).
 """
 from __future__ import annotations
@@ -316,6 +316,9 @@ def compiled_decode(model) -> dict:
 
 
 def quantized(base, scheme: str):
+    """``base`` quantized by RTN to ``scheme``; "w4a16+fused" / "w4a4+fused": then its q/k/v and gate/up
+    run as one GEMM a group (``fp4ptq.fuse_projections``)."""
+    scheme, _, fused = scheme.partition("+")
     model = copy.deepcopy(base)
     calib = None
     if scheme == "w4a4":  # static activation scales from random token windows
@@ -323,6 +326,10 @@ def quantized(base, scheme: str):
     t0 = time.time()
     fp4ptq.quantize(model, QuantConfig(method="rtn", scheme=scheme), calib, device=dev, progress=False)
     seconds = time.time() - t0
+    if fused:
+        report = fp4ptq.fuse_projections(model)
+        if report["skipped"] or not report["fused"]:
+            raise RuntimeError(f"fuse_projections: {report}")
     layers = sum(isinstance(m, NVFP4Linear) for m in model.modules())
     return model.eval(), seconds, layers
 
