@@ -130,7 +130,7 @@ def check(res, g):
                             ref = kernels.linear_w4a16(x, mod.quantized_weight(), mod.bias)
                     if not torch.equal(y, ref):
                         bad.append((name, m, variant, call, float((y.float() - ref.float()).abs().max())))
-                plan = mod._plans.get((x.shape, x.stride(), x.dtype, x.device)) if mod._plans else None
+                plan = mod._plans.get(mod._plan_key(x)) if mod._plans else None
                 res.setdefault("planned", {})[f"{name} M={m} {variant}"] = plan is not None
     res["check_mismatches"] = bad
     print("plan check mismatches:", bad[:10], "planned:", sum(res["planned"].values()), "of", len(res["planned"]),

@@ -13,6 +13,10 @@ for an fp4ptq model without changing its modules or its ``state_dict``:
   with the same input tensor (same object, unchanged since), return theirs without a launch.
 * Outputs equal the separate layers' up to the order of fp32 summation inside the kernels (a wider
   layer may take another K split); each output element is still the exact products summed in fp32.
+* On CUDA it pays at decoding sizes: the H200 measured 12-15% less GPU time a token in graph-replayed
+  decoding of the Llama-3.1-8B shapes, and nothing at a 512-token prefill. So inputs of more than
+  ``MAX_ROWS`` rows (and shapes whose fused layer the kernels would hand to dequantize + cuBLAS) run
+  the layers alone.
 
 A group fuses only when its members agree on what one GEMM needs: scheme, activation Four Over Six
 rule, dtype, device, input size, bias or none, and equal weight global scales (``fp4ptq.quantize``
@@ -40,6 +44,11 @@ from .models import arch_spec, decoder_blocks
 from .modules import NVFP4Linear
 
 _SHARED = ("weight_packed", "weight_scale")
+# On CUDA, inputs of more rows run the layers alone: the H200 measured the gain at decoding sizes (graph-
+# replayed 8B decode, 1 row: 12-15% less GPU time a token) and none at a 512-token prefill, where the
+# strided column slices slow the elementwise kernels after the layers (0.9 ms more GPU time a forward)
+# (results/e2e_decode_h200_fused.json, results/eager_generate_h200_fused_v2.json)
+MAX_ROWS = 128
 
 
 def _version(t: Optional[torch.Tensor]):
@@ -112,12 +121,14 @@ class FusedProjections:
         self.module = None
 
     def _fused_pays(self, x: torch.Tensor) -> bool:
-        """False where the kernels' shape rules send the fused layer to dequantize + cuBLAS while a
-        member alone gets a Triton kernel (H200, results/fusion_timing_h200.json: the 8B q/k/v at 512
-        rows, 6144 rows fused fill too few of wsgemm's tiles, and the fused call was 15-35% slower);
-        decided once per row count, dtype and device."""
+        """Whether the group runs as one GEMM for inputs of this many rows on CUDA (decided once per row
+        count, dtype and device): up to ``MAX_ROWS`` rows, and not where the kernels' shape rules send
+        the fused layer to dequantize + cuBLAS while a member alone gets a Triton kernel (H200,
+        results/fusion_timing_h200.json: the 8B q/k/v at 512 rows, 15-35% slower fused)."""
         key = (x.numel() // max(1, x.shape[-1]), x.dtype, x.device)
         pays = self._pays.get(key)
+        if pays is None and key[0] > MAX_ROWS:
+            pays = self._pays[key] = False
         if pays is None:
             from .kernels import gemm
             m, w4a4, k = key[0], self.module.scheme == "w4a4", self.module.in_features

@@ -246,7 +246,7 @@ class NVFP4Linear(nn.Module):
         if plans is None or sources != self._plan_sources or len(plans) >= MAX_PLANS:
             plans = self._plans = {}  # (views of replaced buffers go with the old plans)
             self._plan_sources = sources
-        key = (x.shape, x.stride(), x.dtype, x.get_device())  # (plans are for CUDA inputs only)
+        key = self._plan_key(x)
         plan = plans.get(key, _UNSEEN)
         if plan is _UNSEEN:  # a signature's first call goes through the dispatch (a prompt length
             plans[key] = plan = _SEEN_ONCE  # seen once would not repay building a plan)
@@ -255,6 +255,11 @@ class NVFP4Linear(nn.Module):
             plan = plans[key] = kernels.linear_plan(x, self.quantized_weight(), bias, amax,
                                                     four_six=self.act_four_six)
         return (None if plan is _SEEN_ONCE else plan), key
+
+    @staticmethod
+    def _plan_key(x: torch.Tensor) -> tuple:
+        """The input signature a plan is kept under (plans are for CUDA inputs only)."""
+        return x.shape, x.stride(), x.dtype, x.get_device()
 
     def _planned(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``forward(x)`` through the call's launch plan, or None where the dispatch takes the call (no

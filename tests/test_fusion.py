@@ -222,9 +222,9 @@ def test_unsupported_architectures_are_named():
 
 
 def test_the_group_runs_alone_where_fusing_would_leave_the_triton_kernels(monkeypatch):
-    """On CUDA a group asks the kernels' shape rules first: where the fused layer would go to
-    dequantize + cuBLAS and a layer alone to a Triton kernel (the 8B q/k/v at 512 rows on the H200),
-    the layers run alone."""
+    """On CUDA a group runs as one GEMM up to MAX_ROWS rows, and asks the kernels' shape rules first:
+    where the fused layer would go to dequantize + cuBLAS and a layer alone to a Triton kernel, the
+    layers run alone."""
     from fp4ptq.kernels import gemm
     model = _quantized()
     fp4ptq.fuse_projections(model)
@@ -241,3 +241,6 @@ def test_the_group_runs_alone_where_fusing_would_leave_the_triton_kernels(monkey
         assert group._fused_pays(x) is pays
         rules.clear()  # decided once per row count
         assert group._fused_pays(x) is pays
+    rules.update({128: "wsgemm", 64: "wsgemm", 32: "wsgemm"})
+    assert not group._fused_pays(torch.randn(fusion.MAX_ROWS + 1, 64))  # prefill-sized inputs: alone
+    assert group._fused_pays(torch.randn(2, fusion.MAX_ROWS // 2, 64))
