@@ -165,6 +165,8 @@ class FusedProjections:
 def _mismatch(members: list) -> Optional[str]:
     """Why these layers cannot run as one GEMM (None if they can)."""
     first = members[0]
+    if any(m.weight_packed.is_meta for m in members):
+        return "the weights are on the meta device (offloaded)"
     for m in members[1:]:
         for attr in ("scheme", "act_four_six", "dtype", "in_features"):
             if getattr(m, attr) != getattr(first, attr):
@@ -177,8 +179,6 @@ def _mismatch(members: list) -> Optional[str]:
             return "the weight global scales differ (quantize the group with one shared amax)"
         if first.input_global_scale is not None and not torch.equal(m.input_global_scale, first.input_global_scale):
             return "the input global scales differ"
-    if any(m.weight_packed.is_meta for m in members):
-        return "the weights are on the meta device (offloaded)"
     return None
 
 

@@ -244,3 +244,9 @@ def test_the_group_runs_alone_where_fusing_would_leave_the_triton_kernels(monkey
     rules.update({128: "wsgemm", 64: "wsgemm", 32: "wsgemm"})
     assert not group._fused_pays(torch.randn(fusion.MAX_ROWS + 1, 64))  # prefill-sized inputs: alone
     assert group._fused_pays(torch.randn(2, fusion.MAX_ROWS // 2, 64))
+
+
+def test_offloaded_layers_are_not_fused():
+    with torch.device("meta"):
+        layers = [NVFP4Linear(64, 32) for _ in range(3)]
+    assert "meta" in fusion._mismatch(layers)
