@@ -20,6 +20,8 @@ Where the compiled kernel needs no scratch buffers, the replay calls the C launc
 the Python wrapper that would otherwise expand every TMA descriptor argument on each call
 (``make_tensordesc_arg``: about 3 us each on the H200 host): fixed descriptors (a weight's) are
 expanded once at capture, per-call ones once per address, shape and strides (a few kept).
+``FP4PTQ_C_LAUNCH=0`` keeps the replay on Triton's Python launcher (measured on the H200: 8-12 us more
+a call at 512 rows, ``benchmarks/prefill_host_h200.py``).
 
 The replay uses Triton's launcher interface of the versions it was checked on (``FAST_VERSIONS``);
 on others, under the interpreter, or with ``FP4PTQ_FAST_LAUNCH=0``, every call is Triton's own
