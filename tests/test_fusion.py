@@ -250,3 +250,17 @@ def test_offloaded_layers_are_not_fused():
     with torch.device("meta"):
         layers = [NVFP4Linear(64, 32) for _ in range(3)]
     assert "meta" in fusion._mismatch(layers)
+
+
+def test_a_fused_model_compiles_with_its_layers_own_ops():
+    """Under torch.compile every layer goes through its own custom op (on its view buffers): the
+    compiled fused model gives the eager logits."""
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    eager = _logits(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager")(IDS, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    fused = [name for name, m in model.named_modules() if isinstance(m, NVFP4Linear) and m._fused is not None]
+    assert len(fused) == 10  # still fused for eager calls
