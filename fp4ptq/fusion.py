@@ -26,8 +26,9 @@ The fused path is skipped (the member runs alone) under ``torch.compile`` (the c
 sees no tensor identities), when the input needs a gradient, and for any input other than the one
 the group last ran. A group that sees its members' buffers replaced (``.to()``, ``.cuda()``,
 assigning ``.data``) or written in place (``load_state_dict``, ``copy_``) dissolves itself for
-good: the members then run on their own buffers (so fuse after moving the model to its device). Inference tensors have no version counter, so for
-buffers or inputs created under ``torch.inference_mode()`` only replacement is seen.
+good: the members then run on their own buffers (so fuse after moving the model to its device).
+Inference tensors have no version counter, so for buffers or inputs created under
+``torch.inference_mode()`` only replacement is seen.
 
 ``state_dict()`` of a fused member returns copies of its views (safetensors and ``save_pretrained``
 refuse tensors that share memory). ``unfuse_projections(model)`` gives every member its own buffers
