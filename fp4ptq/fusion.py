@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import kernels
 from .models import arch_spec, decoder_blocks
 from .modules import NVFP4Linear
 
@@ -131,11 +132,10 @@ class FusedProjections:
         if pays is None and key[0] > MAX_ROWS:
             pays = self._pays[key] = False
         if pays is None:
-            from .kernels import gemm
             m, w4a4, k = key[0], self.module.scheme == "w4a4", self.module.in_features
 
             def path(n: int) -> str:
-                return gemm._auto_path(m, x.dtype, w4a4, k, x.device, n)
+                return kernels.auto_path(m, n, k, x.dtype, x.device, w4a4=w4a4)
             pays = self._pays[key] = path(self.module.out_features) != "cublas" or all(
                 path(layer.out_features) == "cublas" for layer in self.members)
         return pays

@@ -225,12 +225,12 @@ def test_the_group_runs_alone_where_fusing_would_leave_the_triton_kernels(monkey
     """On CUDA a group runs as one GEMM up to MAX_ROWS rows, and asks the kernels' shape rules first:
     where the fused layer would go to dequantize + cuBLAS and a layer alone to a Triton kernel, the
     layers run alone."""
-    from fp4ptq.kernels import gemm
+    from fp4ptq import kernels
     model = _quantized()
     fp4ptq.fuse_projections(model)
     group = model.model.layers[0].self_attn.q_proj._fused[0]
     rules = {}
-    monkeypatch.setattr(gemm, "_auto_path", lambda m, dtype, w4a4, k, device, n: rules[n])
+    monkeypatch.setattr(kernels, "auto_path", lambda m, n, k, dtype, device, w4a4: rules[n])
     x = torch.randn(1, 5, 64)
     for paths, pays in (({128: "cublas", 64: "wsgemm", 32: "wsgemm"}, False),
                         ({128: "cublas", 64: "cublas", 32: "cublas"}, True),
@@ -264,3 +264,14 @@ def test_a_fused_model_compiles_with_its_layers_own_ops():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     fused = [name for name, m in model.named_modules() if isinstance(m, NVFP4Linear) and m._fused is not None]
     assert len(fused) == 10  # still fused for eager calls
+
+
+def test_auto_path_names_the_dispatch_s_choice(monkeypatch):
+    from fp4ptq import kernels
+    from fp4ptq.kernels import gemm
+    assert kernels.auto_path(1, 4096, 4096, torch.bfloat16, torch.device("cpu")) == "reference"
+    seen = []
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(gemm, "_auto_path", lambda *args: seen.append(args) or "wsgemm")
+    assert kernels.auto_path(512, 6144, 4096, torch.bfloat16, "cuda:0", w4a4=True) == "wsgemm"
+    assert seen == [(512, torch.bfloat16, True, 4096, torch.device("cuda:0"), 6144)]

@@ -160,6 +160,19 @@ def linear_plan(
         return gemm.linear_plan(x, weight, bias, input_amax, four_six)
 
 
+def auto_path(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, w4a4: bool = False) -> str:
+    """The path the automatic dispatch takes for ``rows`` activation rows of ``dtype`` times an ``n x k``
+    NVFP4 weight on ``device``: "gemv6", "gemv4", "mma", "wgmma", "wsgemm", "gemm" (the tiled Triton
+    GEMM), "cublas" (dequantize, then cuBLAS), or "reference" off CUDA / under the interpreter. Its
+    first answer for a Gluon path may run that kernel's self-test on the device."""
+    device = torch.device(device)
+    if device.type != "cuda" or _interpreting():
+        return "reference"
+    from . import gemm
+
+    return gemm._auto_path(rows, dtype, w4a4, k, device, n)
+
+
 def linear_w4a4(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -187,4 +200,4 @@ def linear_w4a4(
     return y if bias is None else y + bias
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "linear_plan", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
+__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
