@@ -22,9 +22,9 @@ A group fuses only when its members agree on what one GEMM needs: scheme, activa
 rule, dtype, device, input size, bias or none, and equal weight global scales (``fp4ptq.quantize``
 shares them across these groups, as engines require) and, for W4A4, equal input global scales.
 
-The fused path is skipped (the member runs alone) under ``torch.compile`` (the compiled custom op
-sees no tensor identities), when the input needs a gradient, and for any input other than the one
-the group last ran. A group that sees its members' buffers replaced (``.to()``, ``.cuda()``,
+Under ``torch.compile`` the group is one ``fp4ptq::nvfp4_linear`` op in the traced graph (the slices
+handed out in the traced code; ``traced_output``). The fused path is skipped (the member runs alone)
+when the input needs a gradient, and for any input other than the one the group last ran. A group that sees its members' buffers replaced (``.to()``, ``.cuda()``,
 assigning ``.data``) or written in place (``load_state_dict``, ``copy_``) dissolves itself for
 good: the members then run on their own buffers (so fuse after moving the model to its device).
 Inference tensors have no version counter, so for buffers or inputs created under
@@ -43,7 +43,7 @@ from torch import nn
 
 from . import kernels
 from .models import arch_spec, decoder_blocks
-from .modules import NVFP4Linear
+from .modules import NVFP4Linear, nvfp4_linear
 
 _SHARED = ("weight_packed", "weight_scale")
 # On CUDA, inputs of more rows run the layers alone: the H200 measured the gain at decoding sizes (graph-
@@ -98,6 +98,7 @@ class FusedProjections:
         self._versions = [_version(t) for t in self._watched]
         self._last = None  # (input, its version, fused output, members still to take their slice)
         self._pays = {}    # (rows, dtype, device): whether the fused GEMM takes as fast a path as the layers
+        self._traced = None  # ``_last`` of traced (compiled) code: (input, fused output, pending slices)
         for i, m in enumerate(members):
             m._fused = (self, i)
 
@@ -119,7 +120,7 @@ class FusedProjections:
         for m in self.members:
             m._fused = None
             m._plans = None
-        self.members, self._held, self._watched, self._last = [], [], [], None
+        self.members, self._held, self._watched, self._last, self._traced = [], [], [], None, None
         self.module = None
 
     def _fused_pays(self, x: torch.Tensor) -> bool:
@@ -139,6 +140,25 @@ class FusedProjections:
             pays = self._pays[key] = path(self.module.out_features) != "cublas" or all(
                 path(layer.out_features) == "cublas" for layer in self.members)
         return pays
+
+    def traced_output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``output`` as ``torch.compile`` traces it: the group's custom op once per input tensor of the
+        traced code, the slices handed out as in eager (Dynamo replays the bookkeeping as side
+        effects). No version checks (a traced graph cannot see them): members whose buffers are
+        replaced get recompiled graphs that find the group dissolved, as eager calls would."""
+        module = self.module
+        if module is None or x.numel() > MAX_ROWS * x.shape[-1]:
+            return None
+        r0, r1 = self.bounds[index]
+        last = self._traced
+        if last is not None and last[0] is x and last[2][index]:
+            pending = tuple(p and i != index for i, p in enumerate(last[2]))
+            self._traced = (last[0], last[1], pending) if any(pending) else None
+            return last[1][..., r0:r1]
+        y = nvfp4_linear(x, module.weight_packed, module.weight_scale, module.weight_global_scale, module.bias,
+                         module.input_global_scale, module.act_four_six)
+        self._traced = (x, y, tuple(i != index for i in range(len(self.members))))
+        return y[..., r0:r1]
 
     def output(self, index: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Member ``index``'s output for ``x``, or None where the member must run alone."""

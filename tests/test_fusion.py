@@ -252,18 +252,54 @@ def test_offloaded_layers_are_not_fused():
     assert "meta" in fusion._mismatch(layers)
 
 
-def test_a_fused_model_compiles_with_its_layers_own_ops():
-    """Under torch.compile every layer goes through its own custom op (on its view buffers): the
-    compiled fused model gives the eager logits."""
+def test_a_compiled_fused_model_runs_one_op_a_group(monkeypatch):
+    """Under torch.compile a group is one custom op too (its slices handed out in the traced code),
+    without graph breaks; the compiled fused model gives the eager logits."""
     model = _quantized()
     fp4ptq.fuse_projections(model)
     eager = _logits(model)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
     with torch.no_grad():
-        compiled = torch.compile(model, backend="aot_eager")(IDS, use_cache=False).logits
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        compiled(IDS, use_cache=False)
+        calls = _count_calls(monkeypatch)
+        out = compiled(IDS, use_cache=False).logits
+    assert calls == [128, 64, 256, 64] * 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     fused = [name for name, m in model.named_modules() if isinstance(m, NVFP4Linear) and m._fused is not None]
     assert len(fused) == 10  # still fused for eager calls
+    assert all(m._fused[0]._traced is None for m in model.modules() if isinstance(m, NVFP4Linear) and m._fused)
+
+
+def test_compiled_static_cache_decoding_of_a_fused_model_follows_eager():
+    """transformers' compiled decoding (a static cache written in place, one token a step) on a fused
+    W4A4 model: the compiled steps give the eager steps' logits."""
+    from transformers import StaticCache
+
+    model = _quantized("w4a4")
+    fp4ptq.fuse_projections(model)
+    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    cache = StaticCache(config=model.config, max_cache_len=32)
+
+    def decode(step):
+        cache.reset()
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        out = []
+        for _ in range(3):
+            logits = step(logits.argmax(-1, keepdim=True))
+            out.append(logits)
+        return torch.stack(out)
+
+    def step(token):
+        return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = decode(step)
+        compiled = decode(torch.compile(step, backend="aot_eager"))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_path_names_the_dispatch_s_choice(monkeypatch):
