@@ -24,9 +24,10 @@ shares them across these groups, as engines require) and, for W4A4, equal input 
 
 Under ``torch.compile`` the group is one ``fp4ptq::nvfp4_linear`` op in the traced graph (the slices
 handed out in the traced code; ``traced_output``). The fused path is skipped (the member runs alone)
-when the input needs a gradient, and for any input other than the one the group last ran. A group that sees its members' buffers replaced (``.to()``, ``.cuda()``,
-assigning ``.data``) or written in place (``load_state_dict``, ``copy_``) dissolves itself for
-good: the members then run on their own buffers (so fuse after moving the model to its device).
+when the input needs a gradient, and for any input other than the one the group last ran. A group
+that sees its members' buffers replaced (``.to()``, ``.cuda()``, assigning ``.data``) or written in
+place (``load_state_dict``, ``copy_``) dissolves itself for good: the members then run on their own
+buffers (so fuse after moving the model to its device).
 Inference tensors have no version counter, so for buffers or inputs created under
 ``torch.inference_mode()`` only replacement is seen.
 

@@ -13,6 +13,7 @@ import fp4ptq
 from fp4ptq import nvfp4
 from fp4ptq.config import QuantConfig
 from fp4ptq.modules import NVFP4Linear, nvfp4_linear
+from static_decoding import eager_and_compiled_steps
 
 
 def layer(in_features, out_features, scheme, four_six, bias, seed):
@@ -76,8 +77,6 @@ def test_a_quantized_decoder_breaks_its_graph_only_where_the_float_one_does():
 def test_compiled_decode_steps_with_a_static_cache_follow_the_eager_ones():
     """Decoding as transformers' compiled generate does it (a static cache written in place, one token
     a step): the compiled steps of a quantized decoder give the eager steps' logits."""
-    from transformers import StaticCache
-
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
@@ -85,26 +84,7 @@ def test_compiled_decode_steps_with_a_static_cache_follow_the_eager_ones():
                             QuantConfig(method="rtn", scheme="w4a4", four_six="mse"),
                             torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2)),
                             progress=False)
-    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    cache = StaticCache(config=model.config, max_cache_len=32)
-
-    def decode(step):
-        cache.reset()
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-        out = []
-        for _ in range(3):
-            token = logits.argmax(-1, keepdim=True)
-            logits = step(token)
-            out.append(logits)
-        return torch.stack(out)
-
-    def step(token):
-        return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = decode(step)
-        compiled = decode(torch.compile(step, backend="aot_eager"))
+    eager, compiled = eager_and_compiled_steps(model, 128)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import fp4ptq
 from fp4ptq import fusion
 from fp4ptq.modules import NVFP4Linear
+from static_decoding import eager_and_compiled_steps
 
 VOCAB = 128
 
@@ -276,29 +277,9 @@ def test_a_compiled_fused_model_runs_one_op_a_group(monkeypatch):
 def test_compiled_static_cache_decoding_of_a_fused_model_follows_eager():
     """transformers' compiled decoding (a static cache written in place, one token a step) on a fused
     W4A4 model: the compiled steps give the eager steps' logits."""
-    from transformers import StaticCache
-
     model = _quantized("w4a4")
     fp4ptq.fuse_projections(model)
-    prompt = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
-    cache = StaticCache(config=model.config, max_cache_len=32)
-
-    def decode(step):
-        cache.reset()
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-        out = []
-        for _ in range(3):
-            logits = step(logits.argmax(-1, keepdim=True))
-            out.append(logits)
-        return torch.stack(out)
-
-    def step(token):
-        return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = decode(step)
-        compiled = decode(torch.compile(step, backend="aot_eager"))
+    eager, compiled = eager_and_compiled_steps(model, VOCAB)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
