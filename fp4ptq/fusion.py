@@ -109,6 +109,15 @@ class FusedProjections:
         return (b["weight_packed"], b["weight_scale"], b["weight_global_scale"], b.get("input_global_scale"),
                 m._parameters.get("bias"))
 
+    def _same_tensors(self) -> bool:
+        """Whether every member still holds the group's tensors (identities only: what traced code can
+        check; a layer moved with ``.to()`` after fusing then runs alone there)."""
+        for m, held in zip(self.members, self._held):
+            now = (m.weight_packed, m.weight_scale, m.weight_global_scale, m.input_global_scale, m.bias)
+            if any(a is not b for a, b in zip(now, held)):
+                return False
+        return True
+
     def intact(self) -> bool:
         """Whether every member still holds the group's tensors, none written in place since."""
         for m, held in zip(self.members, self._held):
@@ -148,7 +157,7 @@ class FusedProjections:
         effects). No version checks (a traced graph cannot see them): members whose buffers are
         replaced get recompiled graphs that find the group dissolved, as eager calls would."""
         module = self.module
-        if module is None or x.numel() > MAX_ROWS * x.shape[-1]:
+        if module is None or x.numel() > MAX_ROWS * x.shape[-1] or not self._same_tensors():
             return None
         r0, r1 = self.bounds[index]
         last = self._traced

@@ -292,3 +292,18 @@ def test_auto_path_names_the_dispatch_s_choice(monkeypatch):
     monkeypatch.setattr(gemm, "_auto_path", lambda *args: seen.append(args) or "wsgemm")
     assert kernels.auto_path(512, 6144, 4096, torch.bfloat16, "cuda:0", w4a4=True) == "wsgemm"
     assert seen == [(512, torch.bfloat16, True, 4096, torch.device("cuda:0"), 6144)]
+
+
+def test_compiled_code_runs_layers_alone_once_their_buffers_were_replaced(monkeypatch):
+    """Layers moved after fusing (new tensors): the traced code sees it and runs them alone."""
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    model._apply(lambda t: t.clone())  # what .to() to another device does
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        compiled(IDS, use_cache=False)
+        calls = _count_calls(monkeypatch)
+        out = compiled(IDS, use_cache=False).logits
+    assert calls == [64, 32, 32, 64, 128, 128, 64] * 2
+    torch.testing.assert_close(out, _logits(_unfused_copy(model)), rtol=1e-5, atol=1e-5)
