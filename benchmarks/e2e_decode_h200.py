@@ -139,6 +139,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def capture_step(d: Decoder) -> "torch.cuda.CUDAGraph":
+    """``d.step`` captured in a CUDA graph (after a warm-up step on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        d.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d.step()
+    return graph
+
+
 def decode_tokens(d: Decoder, step, n: int):
     """Prefill, then ``n`` steps of ``step``: the tokens fed back and the first step's logits."""
     d.prefill()
@@ -273,14 +286,7 @@ def run_model(model, label: str, ref_logits: dict) -> dict:
                 d.prefill()
                 row.update(kernel_breakdown(d.step))
                 row.update(kernel_breakdown(d.prefill, "prefill_"))
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                d.step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                d.step()
+            graph = capture_step(d)
             graph_tokens, graph_first = decode_tokens(d, graph.replay, CHECK_STEPS)
             row["graph_first_step_logits_equal_eager"] = torch.equal(graph_first, eager_first)
             row["graph_first_step_logits_rel_diff"] = rel(graph_first, eager_first)

@@ -53,14 +53,7 @@ def main():
                 tokens.append(d.tok.clone())
                 d.step()
             eager = [run(d, d.step, tokens) for _ in range(RUNS)]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                d.step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                d.step()
+            graph = e2e.capture_step(d)
             graphs = [run(d, graph.replay, tokens) for _ in range(RUNS)]
             ref = eager[0]
 

@@ -19,11 +19,8 @@ bits (layers at M = 1, 128, 512; the model's logits).
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -32,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_decode_h200 as e2e  # noqa: E402
+from host_overhead_h200 import profile_table  # noqa: E402
 from fp4ptq import nvfp4  # noqa: E402
 from fp4ptq.kernels import _launch  # noqa: E402
 from fp4ptq.modules import NVFP4Linear  # noqa: E402
@@ -54,18 +52,6 @@ def enqueue_us(fn, calls: int = CALLS) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) * 1e6 / calls
-
-
-def table(fn, calls: int, order: str, rows: int) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats(order).print_stats(rows)
-    return text.getvalue()
 
 
 def launcher(mode: str, *mods) -> None:
@@ -106,7 +92,7 @@ def layer_part(res: dict) -> None:
                     for _ in range(4):
                         mod(x)
                     plan, _key = mod._plan(x)
-                    levels = {"module py": lambda: mod(x), "F.linear": (lambda wb=w.to(torch.bfloat16): torch.nn.functional.linear(x, wb)),
+                    levels = {"F.linear": (lambda wb=w.to(torch.bfloat16): torch.nn.functional.linear(x, wb)),
                               "torch.empty": lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16)}
                     if plan is not None:
                         levels["plan"] = (lambda: plan(x)) if scheme == "w4a16" else (lambda: plan(x, mod._cached_input_amax()))
@@ -124,10 +110,10 @@ def layer_part(res: dict) -> None:
                                 times.setdefault(f"plan {mode}", []).append(enqueue_us(levels["plan"]))
                         launcher("c", mod)
                         for label, fn in levels.items():
-                            if not label.startswith(("module", "plan")):
+                            if label != "plan":
                                 times.setdefault(label, []).append(enqueue_us(fn))
                     med = {a: round(statistics.median(b), 2) for a, b in times.items()}
-                    prof = table(lambda: mod(x), CALLS, "tottime", 25)
+                    prof = profile_table(lambda: mod(x), CALLS, "tottime", 25)
                 print(name, scheme, m, med, flush=True)
                 res["layers"].append({"layer": name, "scheme": scheme, "m": m, "host_us": med, "all_us": times,
                                       "planned": plan is not None})
@@ -176,7 +162,7 @@ def model_part(res: dict) -> None:
                                    "gpu_kernel_ms": gpu_ms, "walls": walls[label]}
             print(label, {a: (round(b, 2) if isinstance(b, float) else b) for a, b in res["model"][label].items() if a != "walls"},
                   flush=True)
-            res["tables"][f"model {label} tottime"] = table(fwd, 2, "tottime", 40)
+            res["tables"][f"model {label} tottime"] = profile_table(fwd, 2, "tottime", 40)
 
 
 def main() -> None:

@@ -105,25 +105,19 @@ class FusedProjections:
 
     @staticmethod
     def _tensors(m: NVFP4Linear) -> tuple:
-        b = m._buffers
-        return (b["weight_packed"], b["weight_scale"], b["weight_global_scale"], b.get("input_global_scale"),
-                m._parameters.get("bias"))
+        return m.weight_packed, m.weight_scale, m.weight_global_scale, m.input_global_scale, m.bias
 
     def _same_tensors(self) -> bool:
         """Whether every member still holds the group's tensors (identities only: what traced code can
         check; a layer moved with ``.to()`` after fusing then runs alone there)."""
         for m, held in zip(self.members, self._held):
-            now = (m.weight_packed, m.weight_scale, m.weight_global_scale, m.input_global_scale, m.bias)
-            if any(a is not b for a, b in zip(now, held)):
+            if any(a is not b for a, b in zip(self._tensors(m), held)):
                 return False
         return True
 
     def intact(self) -> bool:
         """Whether every member still holds the group's tensors, none written in place since."""
-        for m, held in zip(self.members, self._held):
-            if any(a is not b for a, b in zip(self._tensors(m), held)):
-                return False
-        return all(_version(t) == v for t, v in zip(self._watched, self._versions))
+        return self._same_tensors() and all(_version(t) == v for t, v in zip(self._watched, self._versions))
 
     def release(self) -> None:
         """Dissolve the group: every member runs on its own (view) buffers from now on."""
