@@ -233,7 +233,8 @@ KINDS = (("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
 
 
 def kernel_breakdown(fn, prefix: str = "") -> dict:
-    """GPU time of one eager call of ``fn`` by kind of kernel (torch.profiler): where the time goes."""
+    """GPU time of one call of ``fn`` by kind of kernel (torch.profiler; copies and fills as "memcpy"),
+    and its CUDA runtime calls by name (graph launches, kernel launches): where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     ours = our_kernel_names()
@@ -242,19 +243,24 @@ def kernel_breakdown(fn, prefix: str = "") -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals, counts = {}, {}
+    totals, counts, runtime = {}, {}, {}
     for e in prof.key_averages():
+        if e.key.startswith("cuda") and e.count:  # runtime calls: graph launches, kernel launches, copies
+            runtime[e.key] = runtime.get(e.key, 0) + e.count
+            continue
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if not us or e.count == 0 or e.key.startswith("cuda") or "Memcpy" in e.key or "Memset" in e.key:
+        if not us or e.count == 0:
             continue
         name = e.key.lower()
-        if any(e.key.startswith(o) for o in ours):
+        if "Memcpy" in e.key or "Memset" in e.key:
+            kind = "memcpy"
+        elif any(e.key.startswith(o) for o in ours):
             kind = "fp4ptq"
         else:
             kind = next((k for k, keys in KINDS if any(t in name for t in keys)), "other")
         totals[kind] = totals.get(kind, 0.0) + us / 1e3
         counts[kind] = counts.get(kind, 0) + e.count
-    return {f"{prefix}kernel_ms_by_kind": totals, f"{prefix}kernels_by_kind": counts}
+    return {f"{prefix}kernel_ms_by_kind": totals, f"{prefix}kernels_by_kind": counts, f"{prefix}runtime_calls": runtime}
 
 
 def run_model(model, label: str, ref_logits: dict) -> dict:

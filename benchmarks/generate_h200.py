@@ -7,7 +7,11 @@ plain eager call's.
 
     PYTHONPATH=$PWD python benchmarks/generate_h200.py   # $OUT/generate_h200.json
 
-Knobs: PROMPT (512), NEW (128), SCHEMES (bf16,w4a16), VARIANTS (eager,static,static+compile), LAYERS (32).
+Knobs: PROMPT (512), NEW (128), SCHEMES (bf16,w4a16; "w4a16+fused": q/k/v and gate/up fused,
+``fp4ptq.fuse_projections``), VARIANTS (eager,static,static+compile), LAYERS (32), CALLS (1 timed call
+after the first; more: the median, each call's time kept), NAME (generate_h200: the output file's stem),
+PROFILE (0; 1: one more call under torch.profiler, its GPU kernel time by kind against its wall time,
+and Dynamo's counters: graphs, graph breaks, recompiles).
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ PROMPT = int(os.environ.get("PROMPT", 512))
 NEW = int(os.environ.get("NEW", 128))
 SCHEMES = os.environ.get("SCHEMES", "bf16,w4a16").split(",")
 VARIANTS = os.environ.get("VARIANTS", "eager,static,static+compile").split(",")
+CALLS = int(os.environ.get("CALLS", 1))
+NAME = os.environ.get("NAME", "generate_h200")
+PROFILE = os.environ.get("PROFILE", "0") == "1"
 
 
 def sync():
@@ -58,14 +65,28 @@ def main():
             try:
                 model.forward = forward
                 torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
                 kwargs = {}
                 if variant != "eager":
                     kwargs["cache_implementation"] = "static"
                 if variant == "static+compile":
                     model.forward = torch.compile(forward, mode="reduce-overhead")
                 _, row["first_call_s"] = generate(model, ids, **kwargs)
-                tokens, seconds = generate(model, ids, **kwargs)
+                timed = [generate(model, ids, **kwargs) for _ in range(CALLS)]
+                tokens = timed[0][0]
+                seconds = sorted(t for _, t in timed)[len(timed) // 2]
                 row.update(seconds=seconds, tokens_per_s=NEW / seconds)
+                if CALLS > 1:
+                    row["calls_s"] = [t for _, t in timed]
+                    row["tokens_repeat"] = all(bool((t == tokens).all()) for t, _ in timed)
+                if PROFILE:
+                    from torch._dynamo.utils import counters
+
+                    wall = []
+                    row.update(e2e.kernel_breakdown(lambda: wall.append(generate(model, ids, **kwargs)[1])))
+                    row["profiled_call_s"] = wall[-1]
+                    row["dynamo_counters"] = {k: dict(v) for k, v in counters.items()
+                                              if k in ("stats", "graph_break", "recompiles", "unimplemented")}
                 if variant == "eager":
                     plain = tokens
                 elif plain is not None:
@@ -75,7 +96,7 @@ def main():
                 row["traceback"] = traceback.format_exc()[-3000:]
             res["rows"].append(row)
             print({k: v for k, v in row.items() if k != "traceback"}, flush=True)
-            with open(os.path.join(OUT, "generate_h200.json"), "w") as f:
+            with open(os.path.join(OUT, NAME + ".json"), "w") as f:
                 json.dump(res, f, indent=1)
         model.forward = forward
         if scheme != "bf16":
