@@ -283,6 +283,36 @@ def test_compiled_static_cache_decoding_of_a_fused_model_follows_eager():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_generate_compiles_a_fused_model_into_one_graph_with_the_eager_tokens(monkeypatch):
+    """``generate`` with a static cache, which transformers compiles by itself (here with aot_eager,
+    allowed on the CPU): one graph without breaks, the group's GEMM once a group in the compiled
+    steps, and the tokens of eager generation."""
+    from transformers import CompileConfig
+
+    model = _quantized()
+    fp4ptq.fuse_projections(model)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def generate(compile_config):
+        model.generation_config.compile_config = compile_config
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                                  cache_implementation="static")[0, 8:]
+
+    eager = generate(None)
+    config = CompileConfig(backend="aot_eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    calls = _count_calls(monkeypatch)
+    compiled = generate(config)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    # the prompt's forward runs eagerly; the traced decode step holds one product a group
+    assert calls[-4:] == [128, 64, 256, 64]
+    assert torch.equal(compiled, eager)
+
+
 def test_auto_path_names_the_dispatch_s_choice(monkeypatch):
     from fp4ptq import kernels
     from fp4ptq.kernels import gemm
