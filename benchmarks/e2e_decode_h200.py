@@ -234,7 +234,8 @@ KINDS = (("cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
 
 def kernel_breakdown(fn, prefix: str = "") -> dict:
     """GPU time of one call of ``fn`` by kind of kernel (torch.profiler; copies and fills as "memcpy"),
-    and its CUDA runtime calls by name (graph launches, kernel launches): where the time goes."""
+    its CUDA runtime calls by name (graph launches, kernel launches) and its 8 costliest "other"
+    kernels: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     ours = our_kernel_names()
@@ -243,7 +244,7 @@ def kernel_breakdown(fn, prefix: str = "") -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals, counts, runtime = {}, {}, {}
+    totals, counts, runtime, others = {}, {}, {}, []
     for e in prof.key_averages():
         if e.key.startswith("cuda") and e.count:  # runtime calls: graph launches, kernel launches, copies
             runtime[e.key] = runtime.get(e.key, 0) + e.count
@@ -260,7 +261,11 @@ def kernel_breakdown(fn, prefix: str = "") -> dict:
             kind = next((k for k, keys in KINDS if any(t in name for t in keys)), "other")
         totals[kind] = totals.get(kind, 0.0) + us / 1e3
         counts[kind] = counts.get(kind, 0) + e.count
-    return {f"{prefix}kernel_ms_by_kind": totals, f"{prefix}kernels_by_kind": counts, f"{prefix}runtime_calls": runtime}
+        if kind == "other":
+            others.append((us / 1e3, e.count, e.key[:160]))
+    top = [{"ms": round(ms, 4), "count": n, "kernel": key} for ms, n, key in sorted(others, reverse=True)[:8]]
+    return {f"{prefix}kernel_ms_by_kind": totals, f"{prefix}kernels_by_kind": counts, f"{prefix}runtime_calls": runtime,
+            f"{prefix}top_other_kernels": top}
 
 
 def run_model(model, label: str, ref_logits: dict) -> dict:
