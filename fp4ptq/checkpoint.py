@@ -752,7 +752,8 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
         ) from exc
 
 
-def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
+         fuse: Optional[bool] = None) -> nn.Module:
     """Load a packed NVFP4 checkpoint (ours or any compressed-tensors
     ``nvfp4-pack-quantized`` one) with ``NVFP4Linear`` layers, in eval mode.
 
@@ -760,6 +761,11 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None) 
             NVFP4Linear runs the Triton kernels on CUDA, the reference elsewhere.
     dtype:  compute dtype of activations and high-precision weights
             (default: the checkpoint's ``dtype``).
+    fuse:   run each block's q/k/v and gate/up as one GEMM a group
+            (``fp4ptq.fuse_projections``; its report in ``model.fp4ptq_fusion``). Default: on
+            CUDA, where it pays at decoding sizes, for the architectures ``fp4ptq.models``
+            describes (others load unfused); True: on any device, and an architecture without
+            a table is an error; False: never. Moving the model afterwards dissolves the groups.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -798,7 +804,24 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None) 
     model.to(device)   # the non-persistent buffers (e.g. rotary tables) built on the CPU
     model.eval()
     model.fp4ptq_info = read_report(path)
+    model.fp4ptq_fusion = _fuse(model, fuse, device)
     return model
+
+
+def _fuse(model: nn.Module, fuse: Optional[bool], device: torch.device) -> Optional[dict]:
+    """``load``'s fusion (its ``fuse`` argument): the ``fuse_projections`` report, or None where it
+    did not run."""
+    from .fusion import fuse_projections
+    from .models import UnsupportedArchitecture
+
+    if fuse is False or (fuse is None and device.type != "cuda"):
+        return None
+    try:
+        return fuse_projections(model)
+    except UnsupportedArchitecture:
+        if fuse:
+            raise
+        return None
 
 
 __all__ = [

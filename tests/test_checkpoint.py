@@ -113,6 +113,30 @@ def test_load_with_another_dtype_keeps_packed_tensors_and_casts_the_rest(saved):
         assert loaded(tokens()).logits.dtype == torch.bfloat16
 
 
+def test_load_fuses_the_projection_groups_on_cuda_or_when_asked(saved):
+    """``fp4ptq.load`` runs q/k/v and gate/up as one GEMM a group by default on CUDA (``fuse=True``
+    anywhere), with the unfused model's logits; not on the CPU by default, and not with ``fuse=False``."""
+    _, path = saved["w4a4"]
+
+    def fused_layers(model):
+        return sum(isinstance(m, NVFP4Linear) and m._fused is not None for m in model.modules())
+
+    plain = fp4ptq.load(path)  # the CPU here
+    assert plain.fp4ptq_fusion is None and fused_layers(plain) == 0
+    fused = fp4ptq.load(path, fuse=True)
+    assert fused.fp4ptq_fusion == {"fused": 4, "skipped": {}} and fused_layers(fused) == 10
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens()).logits, plain(tokens()).logits, rtol=1e-5, atol=1e-5)
+    # the default decides by device: CUDA fuses, an architecture without a table loads unfused
+    assert checkpoint._fuse(plain, None, torch.device("cuda")) == {"fused": 4, "skipped": {}}
+    assert checkpoint._fuse(fp4ptq.load(path), False, torch.device("cuda")) is None
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert checkpoint._fuse(other, None, torch.device("cuda")) is None
+    from fp4ptq.models import UnsupportedArchitecture
+    with pytest.raises(UnsupportedArchitecture):
+        checkpoint._fuse(other, True, torch.device("cpu"))
+
+
 def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved):
     model, path = saved["w4a4"]
     names = {p.name for p in path.iterdir()}
