@@ -808,13 +808,19 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
     return model
 
 
-def _fuse(model: nn.Module, fuse: Optional[bool], device: torch.device) -> Optional[dict]:
-    """``load``'s fusion (its ``fuse`` argument): the ``fuse_projections`` report, or None where it
-    did not run."""
+def layers_device(model: nn.Module) -> Optional[torch.device]:
+    """The device every ``NVFP4Linear`` of ``model`` is on, or None (none, or several devices)."""
+    devices = {m.weight_packed.device for m in model.modules() if isinstance(m, NVFP4Linear)}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]) -> Optional[dict]:
+    """The fusion of ``load`` (its ``fuse`` argument) and of transformers' ``from_pretrained`` (the
+    default, on the layers' ``device``): the ``fuse_projections`` report, or None where it did not run."""
     from .fusion import fuse_projections
     from .models import UnsupportedArchitecture
 
-    if fuse is False or (fuse is None and device.type != "cuda"):
+    if fuse is False or (fuse is None and (device is None or device.type != "cuda")):
         return None
     try:
         return fuse_projections(model)
@@ -826,7 +832,7 @@ def _fuse(model: nn.Module, fuse: Optional[bool], device: torch.device) -> Optio
 
 __all__ = [
     "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
-    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "load", "modelopt_config",
+    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "layers_device", "load", "modelopt_config",
     "read_json",
     "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",
     "read_safetensors_header", "save", "swap_in_nvfp4", "unshared_fused_scales",
