@@ -823,6 +823,27 @@ def test_w4a4_matches_reference(tk, four_six, path, m):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a4_dequantize_and_cublas_rounds_once_as_the_reference(tk, dtype):
+    """The dequantize + cuBLAS W4A4 path (M > 64 on small-K layers) multiplies exact ``v * scale``
+    operands with fp32 sums and divides by both global scales in fp32 before its one rounding into the
+    activations' dtype, as the reference does: the outputs differ only where fp32 summation order or the
+    reference's per-operand global-scale roundings move a value across a 16-bit rounding boundary
+    (rounding the product to 16 bits first, then scaling it, differed in about a third of them)."""
+    _, gm = tk
+    m, n, k = 96, 64, 256
+    wq = _weight(n, k, seed=21)
+    x = _activations(m, k, dtype, seed=22)
+    amax = x.float().abs().amax() * 0.5  # scales far from powers of two: the rounding order shows
+    ref = kernels.linear_w4a4(x, wq, amax, backend="reference")
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = gm.linear_w4a4(x, wq, amax, path="cublas", out=out)
+    assert (y == ref).float().mean() > 0.99
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((y.float() - ref.float()).abs() <= ulp).all()
+
+
+@interpreted
 @pytest.mark.parametrize("path", ["cublas", "gemm"])
 def test_w4a4_fp16_does_not_overflow_before_the_global_scales(tk, path):
     """W4A4 multiplies v * scale operands (up to 6 * 448 each) and divides by both global
