@@ -7,6 +7,10 @@ and equality), and the tokens of a 16-token greedy ``generate`` against the unfu
 
     PYTHONPATH=$PWD python benchmarks/load_fusion_check_h200.py   # $OUT/load_fusion_check_h200.json
 
+With two GPUs, two more ways: ``from_pretrained`` with a ``device_map`` that puts the first half of
+the blocks on ``cuda:0`` and the rest on ``cuda:1`` (fused by default), and the same unfused
+(``unfuse_projections``), whose logits should equal the one-GPU unfused load's bit for bit.
+
 Knobs: LAYERS (4), SCHEMES (w4a16,w4a4). Needs transformers' fp4ptq hook (FP4PTQ_TRANSFORMERS_HOOK
 not 0) for the from_pretrained way.
 """
@@ -34,6 +38,13 @@ def fused_layers(model) -> int:
     return sum(isinstance(m, fp4ptq.NVFP4Linear) and m._fused is not None for m in model.modules())
 
 
+def split_map(layers: int) -> dict:
+    """A Llama ``device_map`` with blocks ``0 .. layers/2 - 1`` on GPU 0 and the rest on GPU 1."""
+    half = layers // 2
+    return {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1,
+            **{f"model.layers.{i}": int(i >= half) for i in range(layers)}}
+
+
 def main():
     from transformers import AutoModelForCausalLM
 
@@ -56,6 +67,16 @@ def main():
                 row["from_pretrained report"] = hf.fp4ptq_fusion or fp4ptq.fuse_projections(hf)
                 ways["from_pretrained"] = hf
                 row["load default report"] = ways["load default"].fp4ptq_fusion
+                if dev.type == "cuda" and torch.cuda.device_count() >= 2:
+                    dmap = split_map(e2e.SIZES["num_hidden_layers"])
+                    two = AutoModelForCausalLM.from_pretrained(path, device_map=dmap)
+                    row["from_pretrained 2 GPUs report"] = two.fp4ptq_fusion
+                    row["from_pretrained 2 GPUs devices"] = sorted(str(d) for d in
+                                                                   fp4ptq.checkpoint.layers_devices(two))
+                    ways["from_pretrained 2 GPUs"] = two
+                    apart = AutoModelForCausalLM.from_pretrained(path, device_map=dmap)
+                    row["from_pretrained 2 GPUs unfused layers"] = fp4ptq.unfuse_projections(apart)
+                    ways["from_pretrained 2 GPUs, unfused"] = apart
                 ref = {}
                 for way, m in ways.items():
                     out = {"fused_layers": fused_layers(m)}
@@ -74,6 +95,7 @@ def main():
                         out["generate_tokens_equal"] = float((tokens == ref["tokens"]).float().mean())
                     row[way] = out
                 del ways, hf
+                two = apart = None
         except Exception as exc:  # noqa: BLE001 - keep the other rows
             row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
             row["traceback"] = traceback.format_exc()[-3000:]

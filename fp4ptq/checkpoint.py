@@ -808,10 +808,18 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
     return model
 
 
-def layers_device(model: nn.Module) -> Optional[torch.device]:
-    """The device every ``NVFP4Linear`` of ``model`` is on, or None (none, or several devices)."""
-    devices = {m.weight_packed.device for m in model.modules() if isinstance(m, NVFP4Linear)}
-    return devices.pop() if len(devices) == 1 else None
+def layers_devices(model: nn.Module) -> set:
+    """The devices the ``NVFP4Linear`` layers of ``model`` are on (empty for none; ``meta`` for layers
+    offloaded by accelerate)."""
+    return {m.weight_packed.device for m in model.modules() if isinstance(m, NVFP4Linear)}
+
+
+def fusion_device(model: nn.Module) -> Optional[torch.device]:
+    """Where fusing ``model``'s projection groups by default pays: ``cuda`` when every NVFP4 layer is on
+    a CUDA device (one or several: a ``device_map`` across GPUs keeps each decoder block on one, and a
+    group split across devices is skipped with its reason), else None (the CPU, offloading, none)."""
+    devices = layers_devices(model)
+    return torch.device("cuda") if devices and all(d.type == "cuda" for d in devices) else None
 
 
 def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]) -> Optional[dict]:
@@ -832,7 +840,7 @@ def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]
 
 __all__ = [
     "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
-    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "layers_device", "load", "modelopt_config",
+    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
     "read_json",
     "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",
     "read_safetensors_header", "save", "swap_in_nvfp4", "unshared_fused_scales",

@@ -97,9 +97,9 @@ class FP4PTQHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         model.fp4ptq_info = self._report
-        # as fp4ptq.load: q/k/v and gate/up as one GEMM a group where the layers were loaded onto one
-        # CUDA device (device_map); a model loaded on the CPU and moved afterwards stays unfused
-        model.fp4ptq_fusion = checkpoint._fuse(model, None, checkpoint.layers_device(model))
+        # as fp4ptq.load: q/k/v and gate/up as one GEMM a group where device_map put the layers on
+        # CUDA (one GPU or several); a model loaded on the CPU and moved afterwards stays unfused
+        model.fp4ptq_fusion = checkpoint._fuse(model, None, checkpoint.fusion_device(model))
         return model
 
     def is_serializable(self):

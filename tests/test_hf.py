@@ -65,19 +65,25 @@ def test_from_pretrained_builds_nvfp4_layers_with_identical_logits(w4a4):
 
 
 def test_from_pretrained_fuses_the_projection_groups_when_the_layers_load_onto_cuda(w4a4, monkeypatch):
-    """As ``fp4ptq.load`` does by default: q/k/v and gate/up run as one GEMM a group where every NVFP4
-    layer was loaded onto one CUDA device (stood in for here), with the unfused logits; on the CPU not."""
+    """As ``fp4ptq.load`` does by default: q/k/v and gate/up run as one GEMM a group where device_map put
+    every NVFP4 layer on CUDA, one GPU or several (stood in for here), with the unfused logits; not where
+    a layer stayed on the CPU or was offloaded (meta), nor on the CPU."""
     model, path = w4a4
     loaded = AutoModelForCausalLM.from_pretrained(path)
-    assert loaded.fp4ptq_fusion is None and checkpoint.layers_device(loaded) == torch.device("cpu")
-    monkeypatch.setattr(checkpoint, "layers_device", lambda m: torch.device("cuda", 0))
+    assert loaded.fp4ptq_fusion is None and checkpoint.layers_devices(loaded) == {torch.device("cpu")}
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    for devices, fuses in (({cuda0}, True), ({cuda0, cuda1}, True), ({cuda0, torch.device("cpu")}, False),
+                           ({cuda0, torch.device("meta")}, False), (set(), False)):
+        monkeypatch.setattr(checkpoint, "layers_devices", lambda m, devices=devices: devices)
+        assert (checkpoint.fusion_device(loaded) == torch.device("cuda")) is fuses, devices
+    monkeypatch.setattr(checkpoint, "layers_devices", lambda m: {cuda0, cuda1})
     fused = AutoModelForCausalLM.from_pretrained(path)
     assert fused.fp4ptq_fusion == {"fused": 4, "skipped": {}}
     assert sum(m._fused is not None for m in checkpoint.nvfp4_layers(fused).values()) == 10
     with torch.no_grad():
         torch.testing.assert_close(fused(tokens()).logits, model(tokens()).logits, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
-    assert checkpoint.layers_device(torch.nn.Linear(2, 2)) is None  # no NVFP4 layer
+    assert checkpoint.layers_devices(torch.nn.Linear(2, 2)) == set()  # no NVFP4 layer
 
 
 def test_a_model_from_from_pretrained_saves_back_to_the_same_tensors(w4a4, tmp_path):
