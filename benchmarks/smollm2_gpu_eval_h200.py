@@ -11,9 +11,11 @@ on a real model's perplexity is separated from bfloat16's.
 
 Knobs: GGUF (.gguf/SmolLM2-135M-Instruct.Q4_1.gguf), DATA_DIR (.evaldata: wikitext2/ and c4/c4-train/ of
 the shared evaluation data), RECIPES (rtn-w4a16,rtn46-w4a4,awq46clip-w4a4), WORD_PPL (0: no lm-eval needed),
-MAX_WINDOWS (the whole split), DEVICE (cuda; cpu checks the script), PHASES (cli,decode), DECODE_WINDOWS (1),
-DECODE_SEQLEN (512). On the H200 one recipe takes 3-4 minutes (the reference backend's decoding of 511 tokens
-alone about 33 s for W4A16 and 136 s for W4A4), so a 10-minute call holds two recipes at most: pass RECIPES.
+MAX_WINDOWS (the whole split), DEVICE (cuda; cpu checks the script), PHASES (float,cli,decode: the float
+model's eval, each recipe's quantize + eval + in-process perplexities, the decoding path), DECODE_WINDOWS
+(1), DECODE_SEQLEN (512). On the H200 one recipe takes 3-4 minutes (the reference backend's decoding of 511
+tokens alone about 33 s for W4A16 and 136 s for W4A4), so a 10-minute call holds two recipes at most: pass
+RECIPES.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ DEVICE = os.environ.get("DEVICE", "cuda")  # (cpu, with MAX_WINDOWS, checks the 
 MAX_WINDOWS = os.environ.get("MAX_WINDOWS")  # default: the whole split
 # the decoding path: DECODE_WINDOWS windows of DECODE_SEQLEN tokens teacher-forced one token a forward
 DECODE_WINDOWS, DECODE_SEQLEN = int(os.environ.get("DECODE_WINDOWS", 1)), int(os.environ.get("DECODE_SEQLEN", 512))
-PHASES = os.environ.get("PHASES", "cli,decode").split(",")
+PHASES = os.environ.get("PHASES", "float,cli,decode").split(",")
 
 
 def cli(*args) -> dict:
@@ -131,7 +133,7 @@ def main():
 
     res = {"env": {k: v for k, v in e2e.env().items() if k != "sizes"},  # (sizes: the 8B model's)
            "gguf": GGUF, "recipes": {}, "float": None}
-    if "cli" in PHASES:
+    if "float" in PHASES:
         res["float"] = evaluate(GGUF, "float")
     corpus = load_corpus("wikitext", DATA)
     for name in CHOSEN:
