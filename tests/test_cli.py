@@ -141,3 +141,25 @@ def test_recipe_names_carry_the_options_that_change_the_result():
     assert cli._recipe_slug(QuantConfig(method="gptq", gptq_act_order=True)) == "gptq-act-order-w4a16"
     # An option the method does not use is not named.
     assert cli._recipe_slug(QuantConfig(method="rtn", awq_clip=True)) == "rtn-w4a16"
+
+
+def test_inspect_plot_groups_layers_by_block_and_projection(tmp_path):
+    """The inspect plot draws each projection kind against its decoder block (one line a kind, the
+    blocks in order whatever the table's order), a second panel for the 4/6 share where there is one,
+    and one bar a layer where a name has no block index."""
+    from fp4ptq.eval import report
+
+    def layer(name, err=0.1, four=None):
+        return {"name": name, "rel_error": err, "four_share": four}
+
+    layers = [layer("model.layers.1.mlp.down_proj", 0.2, 0.4), layer("model.layers.0.mlp.down_proj", 0.1, 0.5),
+              layer("model.layers.0.self_attn.q_proj", 0.3, 0.6)]
+    series = report.inspect_series(layers)
+    assert list(series) == ["mlp.down_proj", "self_attn.q_proj"]
+    assert [(b, l["rel_error"]) for b, l in series["mlp.down_proj"]] == [(0, 0.1), (1, 0.2)]
+    two_stacks = report.inspect_series([layer("model.layers.0.mlp.up_proj"), layer("vision.layers.3.fc1")])
+    assert sorted(two_stacks) == ["model.layers.mlp.up_proj", "vision.layers.fc1"]
+    assert report.inspect_series(layers + [layer("lm_head")]) is None
+    for name, rows in (("blocks", layers), ("bars", layers + [layer("lm_head")]), ("no46", [layer("layers.0.fc")])):
+        png = report.inspect_plot({"checkpoint": str(tmp_path / name), "layers": rows}, tmp_path / f"{name}.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -375,27 +375,73 @@ def inspect_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_BLOCK_NAME = re.compile(r"^(?P<stack>.*?)\.?(?P<block>\d+)\.(?P<kind>[^\d].*)$")
+
+
+def inspect_series(layers: list) -> Optional[dict]:
+    """Layers grouped for plotting against their decoder block: ``{kind: [(block, layer), ...]}`` with
+    kind the name after the block index (``self_attn.q_proj``, ``mlp.down_proj``; prefixed by the layer
+    stack where a model has several, such as a vision tower's), or None where a layer's name has no block
+    index (then the plot shows the layers one by one)."""
+    parsed = []
+    for layer in layers:
+        match = _BLOCK_NAME.match(layer["name"])
+        if match is None:
+            return None
+        parsed.append((match["stack"], int(match["block"]), match["kind"], layer))
+    several = len({stack for stack, *_ in parsed}) > 1
+    series: dict = {}
+    for stack, block, kind, layer in parsed:
+        series.setdefault(f"{stack}.{kind}" if several else kind, []).append((block, layer))
+    for points in series.values():
+        points.sort(key=lambda p: p[0])
+    return series
+
+
 def inspect_plot(summary: dict, path: str | Path) -> Path:
-    """Per-layer relative error (bars) and 4/6 share (line, right axis)."""
+    """Relative error of each quantized layer and its 4/6 share (blocks scaled to 4): against the decoder
+    block, one line per projection (q, k, v, o, gate, up, down), where the names carry a block index;
+    else one bar per layer in model order."""
     plt = _pyplot()
-    layers = summary["layers"]
-    xs = range(len(layers))
-    fig, ax = plt.subplots(figsize=(max(6, 0.18 * len(layers) + 2), 4))
-    ax.bar(xs, [layer["rel_error"] or 0.0 for layer in layers], color="tab:blue", label="relative error")
-    ax.set_ylabel("relative Frobenius error")
-    ax.set_xlabel("layer (model order)")
-    if any(layer["four_share"] is not None for layer in layers):
-        ax2 = ax.twinx()
-        ax2.plot(list(xs), [layer["four_share"] if layer["four_share"] is not None else float("nan")
-                            for layer in layers], color="tab:orange", marker=".", label="4/6 share")
-        ax2.set_ylabel("share of blocks scaled to 4")
-        ax2.set_ylim(0, 1)
-        ax2.legend(loc="upper right", fontsize=8)
-    if len(layers) <= 40:
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([layer["name"].removeprefix("model.") for layer in layers], rotation=90, fontsize=6)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(Path(summary["checkpoint"]).name)
+    layers = [layer for layer in summary["layers"] if layer["rel_error"] is not None]
+    four = any(layer["four_share"] is not None for layer in layers)
+    series = inspect_series(layers) if layers else None
+    title = Path(summary["checkpoint"]).name
+    if series is None:
+        xs = range(len(layers))
+        fig, ax = plt.subplots(figsize=(min(14, max(6, 0.18 * len(layers) + 2)), 4))
+        ax.bar(xs, [layer["rel_error"] for layer in layers], color="tab:blue", label="relative error")
+        ax.set_ylabel("relative Frobenius error")
+        ax.set_xlabel("layer (model order)")
+        if four:
+            ax2 = ax.twinx()
+            ax2.plot(list(xs), [layer["four_share"] if layer["four_share"] is not None else float("nan")
+                                for layer in layers], color="tab:orange", marker=".", label="4/6 share")
+            ax2.set_ylabel("share of blocks scaled to 4")
+            ax2.set_ylim(0, 1)
+            ax2.legend(loc="upper right", fontsize=8)
+        if len(layers) <= 40:
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels([layer["name"].removeprefix("model.") for layer in layers], rotation=90, fontsize=6)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_title(title)
+    else:
+        fig, axes = plt.subplots(2 if four else 1, 1, figsize=(9, 7 if four else 4), sharex=True, squeeze=False)
+        err_ax = axes[0][0]
+        for kind, points in series.items():
+            blocks = [b for b, _ in points]
+            err_ax.plot(blocks, [layer["rel_error"] for _, layer in points], marker=".", label=kind)
+            if four:
+                axes[1][0].plot(blocks, [layer["four_share"] if layer["four_share"] is not None else float("nan")
+                                         for _, layer in points], marker=".", label=kind)
+        err_ax.set_ylabel("relative Frobenius error")
+        err_ax.set_title(title)
+        err_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+        err_ax.grid(alpha=0.3)
+        if four:
+            axes[1][0].set_ylabel("share of blocks scaled to 4")
+            axes[1][0].grid(alpha=0.3)
+        axes[-1][0].set_xlabel("decoder block")
     out = _save_figure(fig, Path(path))
     plt.close(fig)
     return out
