@@ -843,6 +843,40 @@ def test_w4a4_dequantize_and_cublas_rounds_once_as_the_reference(tk, dtype):
     assert ((y.float() - ref.float()).abs() <= ulp).all()
 
 
+def test_w4a4_cublas_fp32_product_rows_are_chunked_under_the_byte_bound(monkeypatch):
+    """The fp32 product of the W4A4 cuBLAS path is made in row chunks of at most
+    ``W4A4_CUBLAS_FP32_BYTES`` (whole multiples of 128 rows, at least 128) that cover every row once."""
+    from fp4ptq.kernels import gemm as gm
+
+    monkeypatch.setattr(gm, "W4A4_CUBLAS_FP32_BYTES", 2 << 30)
+    assert gm._row_chunks(8192, 57344) == [(0, 8192)]  # 70B gate_up at M = 8192: 1.75 GiB, one piece
+    chunks = gm._row_chunks(32768, 57344)
+    assert chunks[0] == (0, 9344) and chunks[-1][1] == 32768 and len(chunks) == 4
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert all(4 * (r1 - r0) * 57344 <= 2 << 30 and (r1 - r0) % 128 == 0 for r0, r1 in chunks[:-1])
+    monkeypatch.setattr(gm, "W4A4_CUBLAS_FP32_BYTES", 1)
+    assert gm._row_chunks(300, 64) == [(0, 128), (128, 256), (256, 300)] and gm._row_chunks(5, 64) == [(0, 5)]
+
+
+@interpreted
+def test_w4a4_cublas_chunked_rows_give_the_unchunked_output(tk, monkeypatch):
+    """Row chunks of the fp32 product change no output: each output is the same K sum, scaled and rounded
+    once, whether its rows were multiplied in one piece or in three (written into ``out`` in place)."""
+    _, gm = tk
+    m, n, k = 300, 64, 256
+    wq = _weight(n, k, seed=23)
+    x = _activations(m, k, torch.bfloat16, seed=24)
+    amax = x.float().abs().amax() * 0.5
+    whole = gm.linear_w4a4(x, wq, amax, path="cublas")
+    monkeypatch.setattr(gm, "W4A4_CUBLAS_FP32_BYTES", 128 * 4 * n)  # 128-row chunks: 128, 128, 44
+    assert len(gm._row_chunks(m, n)) == 3
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    y = gm.linear_w4a4(x, wq, amax, path="cublas", out=out)
+    assert y.data_ptr() == out.data_ptr()
+    ref = kernels.linear_w4a4(x, wq, amax, backend="reference")
+    assert torch.equal(y, whole) and (y == ref).float().mean() > 0.99
+
+
 @interpreted
 @pytest.mark.parametrize("path", ["cublas", "gemm"])
 def test_w4a4_fp16_does_not_overflow_before_the_global_scales(tk, path):

@@ -924,6 +924,12 @@ WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
 # turns it off.
 WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
+# The W4A4 dequantize + cuBLAS path keeps cuBLAS's fp32 sums until the global scales divide them: an fp32
+# [rows, N] product beside the output. Above this many bytes of it the rows go in chunks (whole multiples
+# of 128 rows), so a long prefill holds at most this much more memory; 2 GiB leaves every shape timed on
+# the H200 in one piece (70B gate_up at M = 8192 is 1.75 GiB, results/w4a4_cublas_h200.json), and a chunk
+# then is a GEMM at least that large.
+W4A4_CUBLAS_FP32_BYTES = int(os.environ.get("FP4PTQ_W4A4_CUBLAS_FP32_BYTES", 2 << 30))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are built, as Triton does
 # bf16 weights decoded straight into bf16 (see decode_tile; exact on the H200, all codes and
 # subnormal scales checked in runs 3-4); never under the interpreter, which flushes bf16 subnormals.
@@ -1388,6 +1394,13 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _row_chunks(m: int, n: int) -> list:
+    """Row ranges of an ``[m, n]`` fp32 product of at most ``W4A4_CUBLAS_FP32_BYTES`` each (multiples of
+    128 rows; one range where it fits)."""
+    rows = max(128, W4A4_CUBLAS_FP32_BYTES // (4 * max(n, 1)) // 128 * 128)
+    return [(r, min(r + rows, m)) for r in range(0, m, rows)] if m > rows else [(0, m)]
+
+
 def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Optional[str] = None,
             out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
             four_six: Optional[str] = None, picked: bool = False):
@@ -1426,8 +1439,10 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         # rounding of the product to 16 bits before the global scales (which moved about a
         # quarter of the outputs by one unit and SmolLM2's W4A4 perplexity by 0.2%)
         factor = torch.reciprocal(enc * x_enc.reshape(1))  # fp32, computed in fp32
-        w = dequantize(weight, torch.bfloat16, unit_global=True)
-        torch.mul(_mm_fp32(x2.to(torch.bfloat16), w.t()), factor, out=y)
+        wt = dequantize(weight, torch.bfloat16, unit_global=True).t()
+        xb = x2.to(torch.bfloat16)
+        for r0, r1 in _row_chunks(m, n):
+            torch.mul(_mm_fp32(xb[r0:r1], wt), factor, out=y[r0:r1])
         return y.add_(bias) if has_bias else y
     if path == "dot_scaled":  # FP4 tensor cores (sm_100+); bf16/fp16 x here, NVFP4 x from linear_w4a4
         from . import dot_scaled  # (it imports this module's output scaling)
