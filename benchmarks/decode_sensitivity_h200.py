@@ -7,6 +7,9 @@ to rounding (W4A4 re-quantizes every layer's input), not an error of the kernels
 
     PYTHONPATH=$PWD python3 benchmarks/decode_sensitivity_h200.py CKPT   # $OUT/decode_sensitivity_h200.json
 
+On the CPU too (`DEVICE=cpu`: there the kernels ways are the reference, so pass
+`WAYS="reference,reference nudged"`; the committed results are such runs, at `DECODE_SEQLEN=512`).
+
 Knobs: DATA_DIR (.evaldata), DECODE_WINDOWS (1), DECODE_SEQLEN (256), WAYS.
 """
 from __future__ import annotations
