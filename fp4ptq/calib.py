@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 import torch
 

@@ -1,7 +1,6 @@
 """AWQ / SmoothQuant transforms: folded scales leave the float model's output
 unchanged; the searches optimize the real NVFP4 objective; clipping never
 increases the per-block output error."""
-import copy
 
 import pytest
 import torch

@@ -19,7 +19,7 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 from fp4ptq.kernels import quantize_kernel as qk  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import DTYPES, _halves, _join, run_ptx  # noqa: E402
+from ptx_emulator import _halves, _join, run_ptx  # noqa: E402
 
 def _all_patterns(dtype):
     bits = torch.arange(65536, dtype=torch.int64)
