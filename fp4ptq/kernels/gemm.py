@@ -1383,20 +1383,32 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
 
+_MM_OUT_DTYPE: Optional[bool] = None  # whether torch.mm takes out_dtype on CUDA (torch 2.8+): found once
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of 16-bit operands as fp32: cuBLAS's fp32 sums returned unrounded (``out_dtype``, torch
-    2.8+ on CUDA); elsewhere the operands are widened (exact) and multiplied in fp32."""
-    if a.is_cuda:
-        try:
+    2.8+ on CUDA); elsewhere the operands are widened (exact) and multiplied in fp32. Whether ``out_dtype``
+    is there is asked once; a failure of the product itself (out of memory) is raised, not hidden."""
+    global _MM_OUT_DTYPE
+    if a.is_cuda and _MM_OUT_DTYPE is not False:
+        if _MM_OUT_DTYPE:
             return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
+        try:
+            y = torch.mm(a, b, out_dtype=torch.float32)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):  # no such argument, or not for these dtypes
+            _MM_OUT_DTYPE = False
+        else:
+            _MM_OUT_DTYPE = True
+            return y
     return torch.mm(a.float(), b.float())
 
 
 def _row_chunks(m: int, n: int) -> list:
-    """Row ranges of an ``[m, n]`` fp32 product of at most ``W4A4_CUBLAS_FP32_BYTES`` each (multiples of
-    128 rows; one range where it fits)."""
+    """Row ranges of an ``[m, n]`` fp32 product of at most ``W4A4_CUBLAS_FP32_BYTES`` each (whole multiples
+    of 128 rows, at least 128 a range; one range where it fits)."""
     rows = max(128, W4A4_CUBLAS_FP32_BYTES // (4 * max(n, 1)) // 128 * 128)
     return [(r, min(r + rows, m)) for r in range(0, m, rows)] if m > rows else [(0, m)]
 
