@@ -65,9 +65,7 @@ def main():
     names = list(runs)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            d = (runs[a]["nll"] - runs[b]["nll"]).abs()
-            res["pairs"][f"{a} / {b}"] = {"argmax_equal": float((runs[a]["top"] == runs[b]["top"]).float().mean()),
-                                          "nll_abs_diff_mean": float(d.mean()), "nll_abs_diff_max": float(d.max())}
+            res["pairs"][f"{a} / {b}"] = ev.agreement(runs[a], runs[b])
     print(json.dumps(res, indent=1))
     with open(os.path.join(OUT, "decode_sensitivity_h200.json"), "w") as f:
         json.dump(res, f, indent=1)

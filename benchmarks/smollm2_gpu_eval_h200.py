@@ -96,6 +96,13 @@ def decode_nll(model, ids: torch.Tensor) -> dict:
     return {"nll": torch.stack(nll).cpu(), "top": torch.stack(top).cpu()}
 
 
+def agreement(a: dict, b: dict) -> dict:
+    """How far two ``decode_nll`` runs agree: the share of equal argmax tokens, the per-token NLL gap."""
+    diff = (a["nll"] - b["nll"]).abs()
+    return {"argmax_equal": float((a["top"] == b["top"]).float().mean()),
+            "nll_abs_diff_max": float(diff.max()), "nll_abs_diff_mean": float(diff.mean())}
+
+
 def decode_compare(ckpt: str, tokenizer, corpus) -> dict:
     """``decode_nll`` through the kernels (fused, as ``fp4ptq.load`` gives it) and through the reference
     backend: perplexity of each and how far their per-token NLLs and argmax tokens agree."""
@@ -115,10 +122,7 @@ def decode_compare(ckpt: str, tokenizer, corpus) -> dict:
         runs[way]["seconds"] = round(time.perf_counter() - started, 1)
         del model
     a, b = runs["kernels, fused"], runs["reference backend"]
-    diff = (a["nll"] - b["nll"]).abs()
-    row = {"tokens": int(a["nll"].numel()), "windows": DECODE_WINDOWS, "seqlen": DECODE_SEQLEN,
-           "argmax_equal": float((a["top"] == b["top"]).float().mean()),
-           "nll_abs_diff_max": float(diff.max()), "nll_abs_diff_mean": float(diff.mean())}
+    row = {"tokens": int(a["nll"].numel()), "windows": DECODE_WINDOWS, "seqlen": DECODE_SEQLEN, **agreement(a, b)}
     for way, r in runs.items():
         row[way] = {"token_perplexity": float(r["nll"].mean().exp()), "seconds": r["seconds"]}
     print(os.path.basename(ckpt), "decode", json.dumps(row), flush=True)
