@@ -41,6 +41,8 @@ def main():
     from fp4ptq.eval.perplexity import load_corpus
     from transformers import AutoTokenizer
 
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: decode_sensitivity_h200.py CKPT (an fp4ptq checkpoint directory)")
     ckpt = sys.argv[1]
     tok = AutoTokenizer.from_pretrained(ckpt)
     corpus = load_corpus("wikitext", ev.DATA)
