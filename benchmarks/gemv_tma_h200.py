@@ -20,9 +20,9 @@ import os
 import statistics
 import time
 
+import peers_h200 as peers
 import torch
 
-import peers_h200 as peers
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import gemv_tma

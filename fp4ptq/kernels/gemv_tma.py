@@ -27,8 +27,16 @@ import triton.language as tl
 from ..nvfp4 import BLOCK_SIZE
 from ._ints import cdiv
 from ._launch import Launch
-from .gemm import (INTERPRET, _block_products, _output_factor, _scaled_block_sums, _sm_count, _x_pairs_from_words,
-                   _x_pairs_stream, split_run)
+from .gemm import (
+    INTERPRET,
+    _block_products,
+    _output_factor,
+    _scaled_block_sums,
+    _sm_count,
+    _x_pairs_from_words,
+    _x_pairs_stream,
+    split_run,
+)
 
 
 @triton.jit
