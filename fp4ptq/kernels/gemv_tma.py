@@ -27,16 +27,36 @@ import triton.language as tl
 from ..nvfp4 import BLOCK_SIZE
 from ._ints import cdiv
 from ._launch import Launch
-from .gemm import (
-    INTERPRET,
-    _block_products,
-    _output_factor,
-    _scaled_block_sums,
-    _sm_count,
-    _x_pairs_from_words,
-    _x_pairs_stream,
-    split_run,
-)
+from .gemm import (INTERPRET, _block_products, _output_factor, _scaled_block_sums, _sm_count, _x_pair_prmt,
+                   _x_pairs_from_words, split_run)
+
+
+@triton.jit
+def _x_words_unpipelined(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
+    """``gemm._x_words`` as inline PTX loads, which Triton's pipeliner leaves where they are: as plain
+    loads it turns them into cp.async copies through shared memory with a CTA barrier each (Triton 3.6
+    SASS: 32 ``LDGSTS`` and ten ``BAR.SYNC`` a step), where x's 4 KB a step are L1 hits anyway.
+    Past K the words read block 0 and are zeroed."""
+    p = xw + bidx * 4 + 2 * h
+    if EMULATE:
+        lo = tl.load(p)
+        hi = tl.load(p + 1)
+    else:
+        lo = tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [p], dtype=tl.int64, is_pure=True,
+                                       pack=1)
+        hi = tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1 + 8];", "=l,l", [p], dtype=tl.int64,
+                                       is_pure=True, pack=1)
+    return tl.where(b_ok, lo, 0), tl.where(b_ok, hi, 0)
+
+
+@triton.jit
+def _x_pairs_unpipelined(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
+    """``gemm._x_pairs_stream`` on ``_x_words_unpipelined``'s words."""
+    lo, hi = _x_words_unpipelined(xw, bidx, b_ok, h, EMULATE)
+    lo0, lo1 = lo.to(tl.int32), (lo >> 32).to(tl.int32)
+    hi0, hi1 = hi.to(tl.int32), (hi >> 32).to(tl.int32)
+    return (_x_pair_prmt(lo0, hi0, 0x5410, EMULATE), _x_pair_prmt(lo0, hi0, 0x7632, EMULATE),
+            _x_pair_prmt(lo1, hi1, 0x5410, EMULATE), _x_pair_prmt(lo1, hi1, 0x7632, EMULATE))
 
 
 @triton.jit
@@ -76,29 +96,30 @@ def _gemv_tma_kernel(
                 y += tl.load(bias_ptr + tl.where(n_ok, n, 0)).to(tl.float32)
             tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:  # x re-read a chunk a step (L1 hits), the tile's products summed over its chunks
-        acc = tl.zeros((ROWS, KC), dtype=tl.float32)
+        # the tile K first ([KC, ROWS], gemv7's: a thread holds every row of its blocks, which x's
+        # pairs then serve without a broadcast across threads)
+        acc = tl.zeros((KC, ROWS), dtype=tl.float32)
         for s in tl.range(0, mine * CHUNKS, num_stages=STAGES):
             t = pid + (s // CHUNKS) * nprog
             c = s % CHUNKS
-            cur = w_desc.load([t * ROWS, c * KC])
-            csb = s_desc.load([t * ROWS, c * KC])
+            cur = tl.trans(w_desc.load([t * ROWS, c * KC]))
+            csb = tl.trans(s_desc.load([t * ROWS, c * KC]))
             bidx = c * KC + ab
             b_ok = bidx < kb
             bidx = tl.where(b_ok, bidx, 0)
-            p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
-            p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
-            part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :],
-                                   p11[None, :], p12[None, :], p13[None, :], EMULATE, MULDEC)
+            p00, p01, p02, p03 = _x_pairs_unpipelined(xw, bidx, b_ok, 0, EMULATE)
+            p10, p11, p12, p13 = _x_pairs_unpipelined(xw, bidx, b_ok, 1, EMULATE)
+            part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None],
+                                   p11[:, None], p12[:, None], p13[:, None], EMULATE, MULDEC)
             acc += _scaled_block_sums(part, csb)
             if c == CHUNKS - 1:  # the tile's last chunk: reduce, store, start the next tile at zero
-                y = tl.sum(acc, axis=1) * factor
+                y = tl.sum(acc, axis=0) * factor
                 n = t * ROWS + ar
                 n_ok = n < N
                 if HAS_BIAS:
                     y += tl.load(bias_ptr + tl.where(n_ok, n, 0)).to(tl.float32)
                 tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-                acc = tl.zeros((ROWS, KC), dtype=tl.float32)
-
+                acc = tl.zeros((KC, ROWS), dtype=tl.float32)
 
 def config(m: int, n: int, k: int):
     """(ROWS, num_warps, KC blocks a step, STAGES, programs an SM) for this shape. K of at most 4096:
