@@ -987,7 +987,12 @@ def _gemv6_config(m: int, n: int, k: int):
     and two blocks of a row a thread (session 11, with the three-operation decode,
     results/muldec_sweep_h200.json, then muldec_rule_h200_first.json: 8B.down 16.4 ->
     14.9 us, Phi-3-mini down 10.4 -> 9.8, Gemma-2-9B down level; with a masked last
-    segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down)."""
+    segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down).
+    The narrow single-segment layers (``_gemv6_narrow``) load each row tile one step
+    ahead on twice those warps (two blocks of a row a thread; ``GEMV6_NARROW_AHEAD``):
+    tuned on weights cold in L2, as decoding reads them (session 20,
+    results/cold_sweep_h200.json: 8B.qkv 8.54 -> 6.97 us cold, 7.19 -> 7.05 warm; 8B.o
+    6.71 -> 5.49 cold, level warm)."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
     kbp = next_pow2(max(1, seg // 16))
@@ -997,8 +1002,14 @@ def _gemv6_config(m: int, n: int, k: int):
     if split and seg >= 2048 and k % seg == 0:
         return 8, max(1, min(8, kbp // 64)), 16, seg, False
     narrow = _gemv6_narrow(n, k)
+    if narrow and GEMV6_NARROW_AHEAD:
+        return 4, max(1, min(8, kbp // 64)), 4, seg, True
     rows = 4 if split or narrow or n >= 16384 else 8
     return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
+
+
+# the narrow single-segment layers' gemv6 config loads ahead on more warps ("0": the warm-tuned session-9 config)
+GEMV6_NARROW_AHEAD = os.environ.get("FP4PTQ_GEMV6_NARROW_AHEAD", "1") == "1"
 
 
 def _gemv6_muldec(n: int, k: int) -> bool:
