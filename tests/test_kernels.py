@@ -596,10 +596,11 @@ def test_gemv6_segments_keep_lanes_busy_without_cutting_rows_short():
 
 
 @interpreted
-def test_gemv6_prefetches_on_large_layers_only(tk):
+def test_gemv6_prefetches_on_large_and_narrow_layers(tk):
     """The swept rule: layers of 64M weights and more load each row tile a step ahead, with
-    K segments up to 8192 (70B gate_up in one); smaller layers keep the plain loop, on 4-row
-    tiles 4 programs an SM where K is one segment and N <= 8192 (results/gemv6_small_h200.json)."""
+    K segments up to 8192 (70B gate_up in one); at M = 1 so do the narrow single-segment layers
+    (K one segment, N <= 8192: 4-row tiles, 4 programs an SM, twice the warps; tuned cold,
+    results/narrow_ahead_h200.json); the others keep the plain loop."""
     _, gm = tk
     assert gm._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
     assert gm._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
@@ -608,7 +609,9 @@ def test_gemv6_prefetches_on_large_layers_only(tk):
     assert gm._gemv6_config(1, 3072, 8192) == (8, 4, 16, 4096, False)    # Phi-3-mini down
     assert gm._gemv6_config(1, 4096, 11008) == (4, 2, 16, 4096, False)   # Llama-2-7B down: masked tail, 4 rows
     assert gm._gemv6_config(1, 576, 1536) == (4, 1, 16, 512, False)      # SmolLM2 down: 512-K segments
-    assert gm._gemv6_config(1, 6144, 4096) == (4, 2, 4, 4096, False)     # 8B qkv: 4 rows, 4 an SM
+    assert gm._gemv6_config(1, 6144, 4096) == (4, 4, 4, 4096, True)      # 8B qkv: 4 rows, 4 an SM, loading ahead
+    assert gm._gemv6_config(2, 6144, 4096) == (4, 2, 4, 4096, False)     # (M = 2: the warm-tuned config)
+    assert gm._gemv6_config(1, 960, 576) == (4, 1, 4, 576, True)         # SmolLM2 qkv: one warp
     assert gm._gemv6_config(1, 12288, 4096) == (8, 2, 8, 4096, False)    # Llama-2-7B qkv: 8 rows, 8 an SM
 
 

@@ -988,11 +988,14 @@ def _gemv6_config(m: int, n: int, k: int):
     results/muldec_sweep_h200.json, then muldec_rule_h200_first.json: 8B.down 16.4 ->
     14.9 us, Phi-3-mini down 10.4 -> 9.8, Gemma-2-9B down level; with a masked last
     segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down).
-    The narrow single-segment layers (``_gemv6_narrow``) load each row tile one step
-    ahead on twice those warps (two blocks of a row a thread; ``GEMV6_NARROW_AHEAD``):
-    tuned on weights cold in L2, as decoding reads them (session 20,
-    results/cold_sweep_h200.json: 8B.qkv 8.54 -> 6.97 us cold, 7.19 -> 7.05 warm; 8B.o
-    6.71 -> 5.49 cold, level warm)."""
+    At M = 1 the narrow single-segment layers (``_gemv6_narrow``) load each row tile
+    one step ahead on twice those warps (two blocks of a row a thread;
+    ``GEMV6_NARROW_AHEAD``), tuned on weights cold in L2, as decoding reads them (session
+    20, results/cold_sweep_h200.json, then narrow_ahead_h200.json, interleaved: 8B.qkv
+    8.55 -> 6.99 us cold, 7.18 -> 7.02 warm; 8B.o 6.72 -> 5.49 cold, level warm; 5-26%
+    faster cold on the 11 layers of 7 models timed, warm level or faster but SmolLM2 qkv
+    (+3.6%, 0.1 us); W4A4 alike). At M = 2 it lost 15-20% on 8B qkv / o and Gemma-2-9B o,
+    so M = 2 keeps the session-9 config."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
     kbp = next_pow2(max(1, seg // 16))
@@ -1002,7 +1005,7 @@ def _gemv6_config(m: int, n: int, k: int):
     if split and seg >= 2048 and k % seg == 0:
         return 8, max(1, min(8, kbp // 64)), 16, seg, False
     narrow = _gemv6_narrow(n, k)
-    if narrow and GEMV6_NARROW_AHEAD:
+    if narrow and GEMV6_NARROW_AHEAD and m == 1:
         return 4, max(1, min(8, kbp // 64)), 4, seg, True
     rows = 4 if split or narrow or n >= 16384 else 8
     return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
