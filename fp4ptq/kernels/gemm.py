@@ -6,7 +6,8 @@ Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
 dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
 activation row resident in registers and persistent programs over row tiles
 (M <= 2, bf16 activations; K split into power-of-two segments, the last one masked,
-when it is not one; the next row tile prefetched on large layers; on layers of 32M
+when it is not one; the next row tile prefetched on large layers, and at M = 1 on
+the narrow single-segment ones (tuned with the weights cold in L2); on layers of 32M
 weights and more whose K it would split, the down projections, the path runs gemv7
 instead: whole rows a program, x re-read from L1 each step, no split), ``gemv5`` its
 predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv``
