@@ -1179,7 +1179,8 @@ def _gemv6_narrow(n: int, k: int) -> bool:
     return n * k < 1 << 26 and n <= 8192 and _gemv6_segment(k, 4096) >= k
 
 
-# at M = 1, gemv6's narrow single-segment tiles that load nothing ahead keep the run-time-K build
+# at M = 1, gemv6's narrow single-segment tiles that load nothing ahead (GEMV6_NARROW_AHEAD off) keep the
+# run-time-K build
 GEMV6_NARROW_RUNTIME_K = True
 
 
@@ -1187,7 +1188,8 @@ def _gemv6_kb_c(m: int, n: int, k: int, rows: int, segments: int, prefetch: bool
     """``KB_C`` of a gemv6 launch: the constant-K build except, at M = 1, on narrow single-segment layers
     whose tiles load nothing ahead (8B qkv / o: 7.20 -> 7.30 and 5.85 -> 5.93 us with it, interleaved,
     results/gemv_const_k_h200.json; 2-12% faster on the other layers, and at M = 2 on these too:
-    11.01 -> 10.68, 8.92 -> 8.51)."""
+    11.01 -> 10.68, 8.92 -> 8.51). Since session 20 those tiles load ahead at M = 1
+    (``GEMV6_NARROW_AHEAD``), so the exception applies only with that switch off."""
     if GEMV6_NARROW_RUNTIME_K and m == 1 and segments == 1 and not prefetch and _gemv6_narrow(n, k):
         return 0
     return _const_kb(n, k, rows)
