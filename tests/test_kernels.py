@@ -297,45 +297,46 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
     """Resident-x GEMV, one segment (K masked to a power of two: 1040, 1792 = 112 of
     128 blocks) and split K (768 = 3 x 256 through the fp32 workspace), with a bias and
     x not 8-byte aligned (a view one element in: copied first); loading each row
-    tile one step ahead (PREFETCH) gives the same bits."""
+    tile one step ahead (PREFETCH) gives the same bits; bf16 and fp16 activations (fp16x2 sums, within
+    the tighter fp16 tolerance)."""
     _, gm = tk
     wq = _weight(n, k, seed=n)
-    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
-    bias = torch.randn(n).bfloat16()
+    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
     rule = gm._gemv6_config
-    for x in (big[:, :k].contiguous(), big[:, 1:]):
+    for x in (big[:, :k].contiguous().bfloat16(), big.bfloat16()[:, 1:], big.half()[:, 1:]):
         _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, "_gemv6_config",
                                         lambda p: lambda m_, n_, k_: rule(m_, n_, k_)[:4] + (p,))
     monkeypatch.setattr(gm, "_gemv6_config", rule)
     assert gm._gemv6_config(m, n, k)[3] == (256 if k == 768 else k)
-    with pytest.raises(nvfp4.NVFP4Error, match="bf16"):
-        gm.linear_w4a16(x.half(), wq, path="gemv6")
 
 
 @interpreted
-@pytest.mark.parametrize("lead,n,k,with_bias,gemv7", [
-    ((1,), 24, 1024, False, False),    # one segment
-    ((2,), 24, 768, True, False),      # split K (3 x 256): the workspace and the summing launch
-    ((1, 1), 16, 768, False, False),   # a 3-D input, split without a bias
-    ((2,), 12, 1040, True, True),      # the streamed-x GEMV
+@pytest.mark.parametrize("lead,n,k,with_bias,gemv7,dtype", [
+    ((1,), 24, 1024, False, False, torch.bfloat16),    # one segment
+    ((2,), 24, 768, True, False, torch.bfloat16),      # split K (3 x 256): the workspace and the summing launch
+    ((1, 1), 16, 768, False, False, torch.bfloat16),   # a 3-D input, split without a bias
+    ((2,), 12, 1040, True, True, torch.bfloat16),      # the streamed-x GEMV
+    ((1,), 24, 1024, True, False, torch.float16),   # fp16: one segment, a bias
+    ((2,), 12, 1040, False, True, torch.float16),   # fp16 through the streamed-x GEMV
 ])
-def test_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, lead, n, k, with_bias, gemv7):
+def test_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, lead, n, k, with_bias, gemv7, dtype):
     """``linear_plan``: the dispatch's launches decided once for inputs shaped alike, called again and
     again with other inputs of that shape, gives ``linear_w4a16``'s bits every time; an input whose
     address the GEMV's 8-byte loads cannot use is refused (None: the dispatch copies it)."""
     _, gm = tk
     monkeypatch.setattr(gm, "GEMV7", "1" if gemv7 else "0")
     wq = _weight(n, k, seed=n)
-    bias = torch.randn(n).bfloat16() if with_bias else None
+    bias = torch.randn(n).to(dtype) if with_bias else None
     g = torch.Generator().manual_seed(k)
-    xs = [torch.randn(*lead, k, generator=g).bfloat16() for _ in range(4)]
+    xs = [torch.randn(*lead, k, generator=g).to(dtype) for _ in range(4)]
     plan = gm.linear_plan(xs[0], wq, bias)
     assert plan is not None
     for x in xs + xs[:1]:
         y = plan(x)
-        assert y.shape == (*lead, n)
+        assert y.shape == (*lead, n) and y.dtype == dtype
         assert torch.equal(y, gm.linear_w4a16(x, wq, bias))
-    buf = torch.randn(xs[0].numel() + 1, generator=g).bfloat16()
+    buf = torch.randn(xs[0].numel() + 1, generator=g).to(dtype)
     assert plan(buf[1:].view(xs[0].shape)) is None
     assert kernels.linear_plan(xs[0], wq, bias) is None  # "auto" on a CPU tensor: the reference backend
     assert kernels.linear_plan(xs[0], wq, bias, backend="triton") is not None
@@ -348,7 +349,6 @@ def test_launch_plan_is_none_where_the_path_is_not_planned(tk):
     _, gm = tk
     wq = _weight(24, 1024, seed=3)
     x = torch.randn(1, 1024).bfloat16()
-    assert gm.linear_plan(x.half(), wq) is None            # fp16 at M = 1: gemv4
     assert gm.linear_plan(torch.randn(5, 1024).bfloat16(), wq) is None  # M = 5 here: the tiled GEMM
     assert gm.linear_plan(torch.randn(1, 2048).bfloat16()[:, ::2], wq) is None  # a strided K
     assert gm.linear_plan(x[:, :0].reshape(1, 0), _weight(24, 16, seed=1)) is None
@@ -443,19 +443,26 @@ def test_w4a4_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, m, quant16_ro
     assert plan(x, amax.double()) is None
 
 
+# the GEMVs' tolerance against the fp32 product of the dequantized weight: bf16 block sums (2^-8 a
+# rounding) within 1e-2; fp16 ones (2^-11, each block's x scaled into fp16's top binade) within 2e-3
+GEMV_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
 def _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, config_name, config_for):
     """``linear_w4a16(x, wq, bias)`` on path gemv6 with ``gm.<config_name>`` set to ``config_for(prefetch)``
     for prefetch off and on: each written into a poisoned ``out``, within the GEMV tolerance of the
-    reference, and the two bit-identical (loading ahead changes when bytes arrive, not the math)."""
+    reference (``GEMV_TOL`` of x's dtype), and the two bit-identical (loading ahead changes when bytes
+    arrive, not the math)."""
     m, n = x.shape[0], wq.shape[0]
+    bias = bias.to(x.dtype)
     ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
     got = []
     for prefetch in (False, True):
         monkeypatch.setattr(gm, config_name, config_for(prefetch))
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), dtype=x.dtype)
         y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
         assert y.data_ptr() == out.data_ptr()
-        assert _rel(y, ref) < 1e-2, (config_name, tuple(x.shape), n, prefetch)
+        assert _rel(y, ref) < GEMV_TOL[x.dtype], (config_name, tuple(x.shape), x.dtype, n, prefetch)
         got.append(y)
     assert torch.equal(got[0], got[1])
 
@@ -470,15 +477,17 @@ def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, k
     tolerance of the reference, with and without loading ahead (the same bits)."""
     _, gm = tk
     wq = _weight(n, k, seed=n + k)
-    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m)).bfloat16()
-    bias = torch.randn(n).bfloat16()
+    big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
     monkeypatch.setattr(gm, "GEMV7", "1")
-    for x in (big[:, :k].contiguous(), big[:, 1:]):
+    for x in (big[:, :k].contiguous().bfloat16(), big.half()[:, 1:], big.bfloat16()[:, 1:]):
         _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, "_gemv7_config",
                                         lambda p: lambda m_, n_, k_: (4, 1, kc, 1, p))
-    amax = x.float().abs().amax().reshape(1)
-    ref4 = gm.linear_w4a4(x, wq, amax, bias, path="gemv4")
-    assert _rel(gm.linear_w4a4(x, wq, amax, bias, path="gemv6"), ref4.float()) < 1e-2
+    for dtype in (torch.bfloat16, torch.float16):  # W4A4: the quantized operand in x's dtype
+        x = big[:, 1:].to(dtype)
+        amax = x.float().abs().amax().reshape(1)
+        ref4 = gm.linear_w4a4(x, wq, amax, bias.to(dtype), path="gemv4")
+        assert _rel(gm.linear_w4a4(x, wq, amax, bias.to(dtype), path="gemv6"), ref4.float()) < GEMV_TOL[dtype]
 
 
 @interpreted
@@ -630,6 +639,18 @@ def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkey
     assert not gm._gemv6_muldec(576, 1536)                                   # SmolLM2 down: 512-K segments
     monkeypatch.setattr(gm, "GEMV6_MULDEC", False)
     assert not gm._gemv6_muldec(28672, 4096)
+
+
+@interpreted
+def test_fp16_gemv7_takes_sixteen_row_tiles_on_the_largest_layers(tk):
+    """fp16 activations on layers of 128M weights and more: 16 rows, 4 warps, 4 programs an SM, nothing
+    loaded ahead, the step that pads K less (70B down 256 blocks, Qwen2-72B down 128); smaller layers
+    keep bf16's config."""
+    _, gm = tk
+    assert gm._gemv7_f16_config(8192, 28672, gm._gemv7_config(1, 8192, 28672)) == (16, 4, 256, 4, False)
+    assert gm._gemv7_f16_config(8192, 29568, gm._gemv7_config(1, 8192, 29568)) == (16, 4, 128, 4, False)
+    for n, k in ((4096, 14336), (3584, 18944)):
+        assert gm._gemv7_f16_config(n, k, gm._gemv7_config(1, n, k)) == gm._gemv7_config(1, n, k)
 
 
 def test_unknown_gemv7_knob_is_refused_with_its_name_and_choices():
@@ -937,6 +958,43 @@ def test_bf16x2_gemvs_match_dequantized_matmul_on_all_codes(tk):
         out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
         err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
         assert float(err.max()) < 1e-2, (path, err)
+    xh = x.half()  # fp16x2 sums: every code (0.5 is the fp16 subnormal 2^-15 in the decode) and scale
+    ref = xh.float() @ w.dequantize(torch.float32).T
+    err = (gm.linear_w4a16(xh, w, path="gemv6").float() - ref).norm(dim=0) / ref.norm(dim=0)
+    assert float(err.max()) < 2e-3, err
+
+
+@interpreted
+@pytest.mark.parametrize("gemv7", ["0", "1"])
+def test_fp16_gemvs_keep_fp16_precision_from_the_largest_to_subnormal_activations(tk, monkeypatch, gemv7):
+    """fp16 x in gemv6 / gemv7: rows reaching 3e4 and 65504 (no block sum overflows), rows of 1e-3,
+    blocks mixing 1e4 and 1e-3, all-zero blocks: each row within 2e-3 of the fp32 product and at least
+    4x closer than the same row through bf16 (rounded to bf16 first); a row of fp16 subnormals (outputs
+    near fp16's smallest numbers) within half a unit of the output's last place or so."""
+    _, gm = tk
+    monkeypatch.setattr(gm, "GEMV7", gemv7)
+    # gemv7 with the largest layers' fp16 tile (16 rows: a partial second tile here)
+    monkeypatch.setattr(gm, "_gemv7_config", lambda m_, n_, k_: (16, 2, 16, 1, False) if gemv7 == "1" else None)
+    n, k = 24, 528
+    g = torch.Generator().manual_seed(7)
+    wq = nvfp4.quantize(torch.randn(n, k, generator=g) * 1e-3)
+    x = torch.randn(6, k, generator=g)
+    x[0] *= 3e4 / x[0].abs().max()
+    x[1] *= 1e-3
+    x[2, :256], x[2, 256:] = 0.0, x[2, 256:] * 1e4
+    x[3, ::2] *= 1e-4
+    x[4] = 0.0
+    x[4, 7] = 65504.0
+    x[5] *= 1e-6  # fp16 subnormals
+    xh = x.half()
+    ref = xh.float() @ wq.dequantize(torch.float32).T
+    y = torch.cat([gm.linear_w4a16(xh[r:r + 2], wq, path="gemv6") for r in range(0, 6, 2)]).float()
+    yb = torch.cat([gm.linear_w4a16(xh[r:r + 2].bfloat16(), wq, path="gemv6") for r in range(0, 6, 2)]).float()
+    assert torch.isfinite(y).all()
+    for r in range(5):
+        err, err_bf16 = _rel(y[r], ref[r]), _rel(yb[r], ref[r])
+        assert err < 2e-3 and err * 4 < err_bf16, (r, err, err_bf16)
+    assert ((y[5] - ref[5]).abs() <= ref[5].abs() * 2**-10 + 2**-24).all()
 
 
 @interpreted
@@ -978,7 +1036,8 @@ def test_gemv6_three_operation_pair_decode_equals_the_shift_decode(tk):
 
 @interpreted
 def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
-    """M <= GEMV_MAX_M: the resident-x bf16x2 GEMV for bf16 activations, the fp32 one for fp16."""
+    """M <= GEMV_MAX_M: the resident-x GEMV for bf16 and fp16 activations (packed bf16x2 / fp16x2
+    sums); with ``GEMV_PATH`` = "gemv5" (bf16 only) fp16 takes the fp32 GEMV."""
     _, gm = tk
     seen = []
     for name in ("_gemv_resident_kernel", "_gemv_blocks_kernel", "_gemm_kernel"):
@@ -988,7 +1047,9 @@ def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
     wq = _weight(24, 64, seed=2)
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
-    assert seen == ["_gemv_resident_kernel", "_gemv_blocks_kernel", "_gemm_kernel"]
+    monkeypatch.setattr(gm, "GEMV_PATH", "gemv5")
+    gm.linear_w4a16(torch.randn(1, 64).half(), wq)
+    assert seen == ["_gemv_resident_kernel", "_gemv_resident_kernel", "_gemm_kernel", "_gemv_blocks_kernel"]
 
 
 @interpreted

@@ -143,9 +143,16 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert gemm._auto_path(65, torch.bfloat16, False, 4096, cuda) == "cublas"
     assert "bf16 or fp16" in gemm.mma_unavailable_reason(16, 4096, torch.float32, cuda)
     assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
-    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == "mma"  # the fp16 GEMV is gemv4
+    # fp16 takes bf16's rules (gemv6 / gemv7 with fp16x2 sums)
+    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == gemm.GEMV_PATH
+    assert gemm._auto_path(1, torch.float16, False, 4096, cuda, 6144) == gemm.GEMV_PATH
+    assert gemm._auto_path(2, torch.float16, False, 4096, cuda, 6144) == gemm.GEMV_PATH  # narrow
+    assert gemm._auto_path(2, torch.float16, False, 8192, cuda, 57344) == "mma"
+    monkeypatch.setattr(gemm, "GEMV_PATH", "gemv5")  # bf16 only: fp16 keeps gemv4, mma.py on large layers
+    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == "mma"
     assert gemm._auto_path(1, torch.float16, False, 4096, cuda, 6144) == "gemv4"  # gemv4 still wins there
     assert gemm._auto_path(2, torch.float16, False, 4096, cuda, 6144) == "mma"
+    monkeypatch.setattr(gemm, "GEMV_PATH", "gemv6")
     assert "K % 64" in gemm.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
     assert gemm._auto_path(16, torch.bfloat16, False, 4112, cuda) == "gemm"
     monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off

@@ -12,8 +12,8 @@ Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``:
 bf16/fp16 inputs of 3 rows and more two elements a register with packed
 compares against thresholds computed per block or, on large inputs, gathered
 from a per-program table; fp32 inputs and 1-2 rows with fp32 compares), ``gemm.py`` (the W4A16/W4A4
-launcher and its paths: GEMVs for M <= 2 (packed bf16x2 with the activation
-row held in registers for bf16, fp32 for fp16), a tiled GEMM, dequantize +
+launcher and its paths: GEMVs for M <= 2 (packed bf16x2 / fp16x2 sums with the
+activation row held in registers or streamed), a tiled GEMM, dequantize +
 cuBLAS for M >= 129 where wsgemm.py does not run; W4A4 runs the same paths after quantizing the
 activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
 ``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2

@@ -5,12 +5,13 @@ quantized on the fly).
 Paths (``path=`` of ``linear_w4a16`` / ``linear_w4a4``; None picks by shape and
 dtype, see the shape rules below): ``gemv6`` packed bf16x2 GEMV with the
 activation row resident in registers and persistent programs over row tiles
-(M <= 2, bf16 activations; K split into power-of-two segments, the last one masked,
+(M <= 2, bf16 activations, and fp16 ones with fp16x2 sums on each block's x scaled by
+2^e; K split into power-of-two segments, the last one masked,
 when it is not one; the next row tile prefetched on large layers, and at M = 1 on
 the narrow single-segment ones (tuned with the weights cold in L2); on layers of 32M
 weights and more whose K it would split, the down projections, the path runs gemv7
 instead: whole rows a program, x re-read from L1 each step, no split), ``gemv5`` its
-predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2, fp16), ``gemv``
+predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2; fp16 where gemv5 is asked for), ``gemv``
 the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 (``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
@@ -53,8 +54,9 @@ fp16, so the tiled GEMM multiplies exactly-decoded weights (the global
 same GEMMs with ``v_x * scale_x`` activations from the quantize kernel (exact
 too), so every product is an exact NVFP4 x NVFP4 product, accumulated in fp32.
 The exception is ``gemv5``/``gemv6``/``gemv7``: they sum each block's 16 products in bf16 (packed
-``fma.rn.bf16x2``; ~2^-9 relative per block sum, ~4e-3 on the outputs measured)
-before fp32 takes over; under the Triton interpreter that FMA is emulated.
+``fma.rn.bf16x2``; ~2^-9 relative per block sum, ~4e-3 on the outputs measured), or for fp16
+activations in fp16 (``fma.rn.f16x2``, ~5e-4 on the outputs: ``_x_pairs_f16``), before fp32 takes
+over; under the Triton interpreter those FMAs are emulated.
 """
 from __future__ import annotations
 
@@ -379,9 +381,40 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _scaled_block_sums(part, sb):
-    """fp32 ``(lane 0 + lane 1) * scale * 2^-8`` of each block's two bf16 partial sums
-    (``part``, one int32 a block) and its E4M3 scale byte."""
+def _f16x2_fma(a, b, c, EMULATE: tl.constexpr):
+    """``a * b + c`` on int32 registers holding two fp16 each (one ``fma.rn.f16x2``: one
+    rounding to fp16 per lane, subnormals kept). ``EMULATE``: the same in fp32, then
+    rounded to fp16."""
+    if EMULATE:
+        lo = _f16_lane(a, 0) * _f16_lane(b, 0) + _f16_lane(c, 0)
+        hi = _f16_lane(a, 1) * _f16_lane(b, 1) + _f16_lane(c, 1)
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_lane(r, LANE: tl.constexpr):
+    """fp32 value of the low (0) or high (1) fp16 of int32 ``r`` (exact)."""
+    if LANE == 0:
+        return r.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return (r >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_bits(v):
+    """fp32 -> fp16 bit pattern (round half to even) in the low 16 bits of an int32."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _scaled_block_sums(part, sb, F16: tl.constexpr = False):
+    """fp32 ``(lane 0 + lane 1) * scale * 2^-8`` of each block's two bf16 (``F16``: fp16)
+    partial sums (``part``, one int32 a block) and its E4M3 scale byte."""
+    if F16:
+        return (_f16_lane(part, 0) + _f16_lane(part, 1)) * scale_fp32(sb)
     return (_bf16_lane(part, 0) + _bf16_lane(part, 1)) * scale_fp32(sb)
 
 
@@ -513,6 +546,65 @@ def _x_pairs_stream(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
             _x_pair_prmt(lo1, hi1, 0x5410, EMULATE), _x_pair_prmt(lo1, hi1, 0x7632, EMULATE))
 
 
+# fp16 activations (gemv6 / gemv7 with F16): the products run in fp16x2 (``fma.rn.f16x2``: 2^-11
+# relative a rounding, against bf16's 2^-8), the codes decoded as v * 2^-14 (``_pair(w, i, 9,
+# FP16_MAG)``: the multiply decode has no fp16 twin, the fields would overlap), and each block's x
+# scaled by 2^e so that its largest |x| lands in [2^15, 2^16) (e at most 15): exact, and no block sum
+# can overflow (8 products of at most 6 * 2^-14 * 2^16 = 24 a lane), while the products of every
+# block stay normal fp16 down to |x| of about 2^-29 times the block max. The block's fp32 sum is
+# multiplied back by 2^-e.
+_F16_X_PAIR_LOW = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; mul.rn.f16x2 $0, t, $3; }")
+_F16_X_PAIR_HIGH = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; mul.rn.f16x2 $0, t, $3; }")
+
+
+@triton.jit
+def _f16_x_pair(a, b, SEL: tl.constexpr, mul, EMULATE: tl.constexpr):
+    """The fp16 halves that ``prmt.b32 a, b, SEL`` picks (0x5410: both low, 0x7632: both high) of two
+    int32 of two fp16 each, times ``mul`` (two fp16 powers of two): exact (no overflow, no rounding)."""
+    if EMULATE:
+        f = _f16_lane(mul, 0)
+        if SEL == 0x5410:
+            return _f16_bits(_f16_lane(a, 0) * f) | (_f16_bits(_f16_lane(b, 0) * f) << 16)
+        else:
+            return _f16_bits(_f16_lane(a, 1) * f) | (_f16_bits(_f16_lane(b, 1) * f) << 16)
+    elif SEL == 0x5410:
+        return tl.inline_asm_elementwise(_F16_X_PAIR_LOW, "=r,r,r,r", [a, b, mul], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.inline_asm_elementwise(_F16_X_PAIR_HIGH, "=r,r,r,r", [a, b, mul], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _max8(a, b, c, d, e, f, g, h):
+    return tl.maximum(tl.maximum(tl.maximum(a, b), tl.maximum(c, d)), tl.maximum(tl.maximum(e, f), tl.maximum(g, h)))
+
+
+@triton.jit
+def _x_pairs_f16(xw, bidx, b_ok, EMULATE: tl.constexpr):
+    """fp16 activations of blocks ``bidx`` as the eight fp16x2 pair registers of
+    ``_x_pairs_from_words`` (pair i of half h = x[16b + 8h + i], x[16b + 8h + i + 4]), each block's
+    scaled by 2^e (e = clamp(30 - E, 0, 15), E the biased exponent of its largest |x|), and the fp32
+    2^-e of each block (zeros where ``b_ok`` is false)."""
+    lo0, hi0 = _x_words(xw, bidx, b_ok, 0)
+    lo1, hi1 = _x_words(xw, bidx, b_ok, 1)
+    a0, a1, b0, b1 = lo0.to(tl.int32), (lo0 >> 32).to(tl.int32), hi0.to(tl.int32), (hi0 >> 32).to(tl.int32)
+    c0, c1, d0, d1 = lo1.to(tl.int32), (lo1 >> 32).to(tl.int32), hi1.to(tl.int32), (hi1 >> 32).to(tl.int32)
+    # the largest |x| of the block (the patterns of |x| order as the values do): low and high halves apart
+    lo = _max8(a0 & 0x7FFF, a1 & 0x7FFF, b0 & 0x7FFF, b1 & 0x7FFF, c0 & 0x7FFF, c1 & 0x7FFF, d0 & 0x7FFF,
+               d1 & 0x7FFF)
+    hi = _max8(a0 & 0x7FFF0000, a1 & 0x7FFF0000, b0 & 0x7FFF0000, b1 & 0x7FFF0000, c0 & 0x7FFF0000,
+               c1 & 0x7FFF0000, d0 & 0x7FFF0000, d1 & 0x7FFF0000)
+    big = tl.maximum(lo, hi >> 16)
+    e = tl.minimum(tl.maximum(30 - (big >> 10), 0), 15)
+    mul = (e + 15) * 0x04000400  # fp16 2^e in both halves
+    xf = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return (_f16_x_pair(a0, b0, 0x5410, mul, EMULATE), _f16_x_pair(a0, b0, 0x7632, mul, EMULATE),
+            _f16_x_pair(a1, b1, 0x5410, mul, EMULATE), _f16_x_pair(a1, b1, 0x7632, mul, EMULATE),
+            _f16_x_pair(c0, d0, 0x5410, mul, EMULATE), _f16_x_pair(c0, d0, 0x7632, mul, EMULATE),
+            _f16_x_pair(c1, d1, 0x5410, mul, EMULATE), _f16_x_pair(c1, d1, 0x7632, mul, EMULATE), xf)
+
+
 @triton.jit
 def _x_pairs_from_values(v, KBP: tl.constexpr):
     """``[KBP, 8]`` fp32 (one half of each block, bf16-exact values) -> the four
@@ -527,14 +619,26 @@ def _x_pairs_from_values(v, KBP: tl.constexpr):
 
 
 @triton.jit
-def _block_products(cur, p00, p01, p02, p03, p10, p11, p12, p13, EMULATE: tl.constexpr, MULDEC: tl.constexpr):
+def _block_products(cur, p00, p01, p02, p03, p10, p11, p12, p13, EMULATE: tl.constexpr, MULDEC: tl.constexpr,
+                    F16: tl.constexpr = False):
     """A tile's blocks (int64 of 16 codes) times the x pair registers of
     ``_x_pairs_from_words``, shaped to broadcast against the tile: per block, eight
     ``fma.rn.bf16x2`` summing its 16 products ``v * x * 2^-62`` in two bf16 lanes
-    (``MULDEC``: ``_pair_mul``'s decode)."""
+    (``MULDEC``: ``_pair_mul``'s decode). ``F16``: ``fma.rn.f16x2`` on the codes as
+    ``v * 2^-14`` and ``_x_pairs_f16``'s pairs: products ``v * x * 2^(e - 14)``."""
     zero = tl.zeros(cur.shape, dtype=tl.int32)
     w = cur.to(tl.int32)  # codes 0..7 of each block
-    if MULDEC:
+    if F16:
+        part = _f16x2_fma(_pair(w, 0, 9, FP16_MAG), p00, zero, EMULATE)
+        part = _f16x2_fma(_pair(w, 1, 9, FP16_MAG), p01, part, EMULATE)
+        part = _f16x2_fma(_pair(w, 2, 9, FP16_MAG), p02, part, EMULATE)
+        part = _f16x2_fma(_pair(w, 3, 9, FP16_MAG), p03, part, EMULATE)
+        w = (cur >> 32).to(tl.int32)  # codes 8..15
+        part = _f16x2_fma(_pair(w, 0, 9, FP16_MAG), p10, part, EMULATE)
+        part = _f16x2_fma(_pair(w, 1, 9, FP16_MAG), p11, part, EMULATE)
+        part = _f16x2_fma(_pair(w, 2, 9, FP16_MAG), p12, part, EMULATE)
+        part = _f16x2_fma(_pair(w, 3, 9, FP16_MAG), p13, part, EMULATE)
+    elif MULDEC:
         w8 = w >> 8
         part = _bf16x2_fma(_pair_mul(w, w8, 0), p00, zero, EMULATE)
         part = _bf16x2_fma(_pair_mul(w, w8, 1), p01, part, EMULATE)
@@ -566,7 +670,7 @@ def _gemv_resident_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False, KB_C: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False, KB_C: tl.constexpr = 0, F16: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -585,6 +689,8 @@ def _gemv_resident_kernel(
     # PREFETCH: each row tile's weights are loaded one loop step ahead (the
     # first before x is loaded and packed), so a tile's loads are in flight
     # while the previous tile is decoded (the H200 sweep: large layers only).
+    # F16 (fp16 x, not QUANT_X): fp16x2 products on each block's x scaled by
+    # 2^e (``_x_pairs_f16``), the block sums multiplied back by 2^-e.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -616,6 +722,10 @@ def _gemv_resident_kernel(
         p00, p01, p02, p03 = _x_pairs_from_values(va, KBP)
         p10, p11, p12, p13 = _x_pairs_from_values(vb, KBP)
         factor = _pow2_over(tl.load(wenc_ptr) * x_enc, 1.1805916207174113e21)  # 2^70 / (enc_w * enc_x)
+    elif F16:
+        xw = xrow.to(tl.pointer_type(tl.int64))
+        p00, p01, p02, p03, p10, p11, p12, p13, xf = _x_pairs_f16(xw, bidx, b_ok, EMULATE)
+        factor = _output_factor(wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^22
     else:
         xw = xrow.to(tl.pointer_type(tl.int64))
         p00, p01, p02, p03 = _x_pairs_from_words(xw, bidx, b_ok, 0)
@@ -633,8 +743,10 @@ def _gemv_resident_kernel(
         else:
             cur, csb = _load_blocks(w_ptr, s_ptr, n, kb, 0, ab, EVEN_K)  # ab already holds the segment's blocks
         part = _block_products(cur, p00[None, :], p01[None, :], p02[None, :], p03[None, :], p10[None, :], p11[None, :],
-                              p12[None, :], p13[None, :], EMULATE, MULDEC)
-        acc = _scaled_block_sums(part, csb)
+                              p12[None, :], p13[None, :], EMULATE, MULDEC, F16)
+        acc = _scaled_block_sums(part, csb, F16)
+        if F16:
+            acc = acc * xf[None, :]  # sum v * x * scale * 2^-22
         y = tl.sum(acc, axis=1) * factor  # acc = sum v * x * scale * 2^-70
         if SPLIT:
             tl.store(y_ptr + (seg * M + row) * N + n, y, mask=n_ok)
@@ -682,6 +794,7 @@ def _gemv_stream_kernel(
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
+    F16: tl.constexpr = False,
 ):
     # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
     # program's registers is split into segments, each program walks a few row
@@ -695,7 +808,8 @@ def _gemv_stream_kernel(
     # thread holds every row of its blocks); the block products are summed into
     # a [KC, ROWS] fp32 accumulator across chunks and reduced over the threads
     # once per tile. PREFETCH: the next step's codes and scales are loaded
-    # before this step's decode. EVEN_K: KC divides K/16 (no masks).
+    # before this step's decode. EVEN_K: KC divides K/16 (no masks). F16: fp16 x
+    # as in gemv6 (each block's x scaled by 2^e, every step).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -708,7 +822,10 @@ def _gemv_stream_kernel(
     ab = tl.arange(0, KC)
     ar = tl.arange(0, ROWS)
     xw = (x_ptr + row * stride_xm).to(tl.pointer_type(tl.int64))
-    factor = _output_factor(wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
+    if F16:
+        factor = _output_factor(wenc_ptr, xenc_ptr, 4194304.0, HAS_XENC)  # 2^22
+    else:
+        factor = _output_factor(wenc_ptr, xenc_ptr, 1.1805916207174113e21, HAS_XENC)  # 2^70
     mine = tl.cdiv(tl.cdiv(N, ROWS) - pid, nprog)  # row tiles this program walks
     t = pid
     c = 0
@@ -730,11 +847,17 @@ def _gemv_stream_kernel(
         bidx = b0 + ab
         b_ok = bidx < kb
         bidx = tl.where(b_ok, bidx, 0)
-        p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
-        p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
+        if F16:
+            p00, p01, p02, p03, p10, p11, p12, p13, xf = _x_pairs_f16(xw, bidx, b_ok, EMULATE)
+        else:
+            p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
+            p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
         part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
-                               p12[:, None], p13[:, None], EMULATE, MULDEC)
-        acc += _scaled_block_sums(part, csb)
+                               p12[:, None], p13[:, None], EMULATE, MULDEC, F16)
+        if F16:
+            acc += _scaled_block_sums(part, csb, F16) * xf[:, None]
+        else:
+            acc += _scaled_block_sums(part, csb)
         if last:  # the tile's last chunk: reduce, store, start the next tile at zero
             n = t * ROWS + ar
             n_ok = n < N
@@ -1137,6 +1260,21 @@ def _gemv7_config(m: int, n: int, k: int):
     return 8, 4, 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128, 8, False
 
 
+def _gemv7_f16_config(n: int, k: int, cfg: tuple) -> tuple:
+    """gemv7's config for fp16 activations, which pay each block's x exponent every step (``_x_pairs_f16``):
+    on layers of 128M weights and more, 16 rows a tile (the exponents shared by twice the rows), 4 warps,
+    4 programs an SM, nothing loaded ahead, and the step of 128 or 256 blocks that pads K less (256 on a
+    tie), else ``cfg`` (bf16's). Session 21, 3 interleaved rounds of 32 configs
+    (results/gemv_fp16_h200_sweep.json, us, bf16's config -> this one): 70B down 49.3 -> 41.4 (bf16 37.5),
+    Qwen2-72B down 50.3 -> 45.9 (128 blocks a step; 256 would pad K more: 52.6); the smaller layers
+    stayed best or level with bf16's (8B down 12.90, Llama-2-7B down 11.50 against 11.42, Qwen2-7B down
+    17.03 against 16.99)."""
+    if n * k < 1 << 27:
+        return cfg
+    kb = k // BLOCK_SIZE
+    return 16, 4, 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128, 4, False
+
+
 def _gemv7_preferred(n: int, k: int) -> bool:
     """Where the streamed-x GEMV replaces gemv6: layers of 32M weights and more whose K
     gemv6 would split (session 11, interleaved rounds, gemv6 -> gemv7, us: 70B down 47.0
@@ -1156,7 +1294,7 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
                   ALIGNED=k % 256 == 0, EMULATE=INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
-                  KB_C=_const_kb(n, k, rows), num_warps=warps)
+                  KB_C=_const_kb(n, k, rows), F16=x2.dtype == torch.float16, num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(cdiv(n, rows), programs)), m)
     return Launch(_gemv_stream_kernel, grid, args, slots, kwargs)
@@ -1215,6 +1353,8 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                          f"32-bit offsets address ({GEMV6_MAX_BLOCKS}); use path 'gemv4' or 'mma'")
     if amax is None:
         cfg7 = _gemv7_config(m, n, k)
+        if cfg7 is not None and x2.dtype == torch.float16:
+            cfg7 = _gemv7_f16_config(n, k, cfg7)
         if cfg7 is not None:
             return split_run(_gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg7,
                                     slots), 1, y, None)
@@ -1235,7 +1375,7 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k),
-                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch))
+                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), F16=x2.dtype == torch.float16 and not quant)
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
@@ -1366,10 +1506,11 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     ``_gemv6_narrow`` names, where the constant-K gemv6 came out ahead (session 14,
     results/m2_constk_h200.json: 8B.o 8.47 against 9.40, 8B.qkv 10.68 / 11.94, Gemma-2-9B o 8.20 /
     9.15, Qwen2-7B qkv 10.78 / 11.24, Qwen2-7B o 8.87 / 8.99; mma.py still ahead on the split-K,
-    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13), and, for fp16, M = 1 on layers
-    of more than 6144 x 4096 (70B.gate_up 126 us
-    against gemv4's 146; at 6144 x 4096 gemv4 still wins, 11.1 against 11.9:
-    results/gpu_module_check_h200.json)."""
+    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13). fp16 takes the same
+    paths as bf16 (session 21, results/gemv_fp16_h200.json: gemv6 / gemv7 1.27-1.69x the paths fp16
+    took before at M = 1, 1.12-1.21x mma.py at M = 2 on the narrow layers); where ``GEMV_PATH`` is
+    "gemv5" (bf16 only) fp16 keeps gemv4, and mma.py at M = 1 on layers of more than 6144 x 4096
+    (70B.gate_up 126 us against gemv4's 146)."""
     def mma_ok() -> bool:  # asked only where mma would be picked (its first use runs the self-test)
         return device is not None and MMA_MAX_M >= m and mma_unavailable_reason(m, k, dtype, device) is None
 
@@ -1383,7 +1524,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return preferred(module) and _gluon_sm90_reason(path, m, n, k, dtype, device) is None
 
     if m <= GEMV_MAX_M:
-        gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH == "gemv" else "gemv4"
+        gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH in ("gemv", "gemv6") else "gemv4"
         if gemv == "gemv6" and not _block_offsets_fit(n, k):
             gemv = "gemv4"
         m2_mma = m == 2 and n * k >= 1 << 22 and not (gemv == "gemv6" and _gemv6_narrow(n, k))
@@ -1509,8 +1650,6 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)  # what M > 64 took before
     if path == "gemv6":
         if amax is None:
-            if x2.dtype != torch.bfloat16:  # fp16 x would be rounded to bf16 (gemv4 keeps it)
-                raise nvfp4.NVFP4Error(f"the gemv6 path takes bf16 activations, got {x2.dtype}")
             if x2.data_ptr() % 8 or x2.stride(0) % 4:  # x is read as 8-byte words
                 x2 = x2.clone(memory_format=torch.contiguous_format)
         return _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, amax=amax,
@@ -1657,7 +1796,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor
     else:
         x_enc, slots = None, (0, 6)
-    if path == "gemv6" and x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0:
+    if path == "gemv6" and x2.stride(0) % 4 == 0:
         align = 8  # x read as 8-byte words
         run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
                      slots=slots)
