@@ -20,7 +20,8 @@ Per model and batch size:
 
 Knobs: BATCHES (default 1,16), PROMPT (512), STEPS (128 timed graph replays), SCHEMES
 (bf16,w4a16,w4a4; "w4a16+fused" / "w4a4+fused": q/k/v and gate/up fused, ``fp4ptq.fuse_projections``), COMPILE (0), LAYERS (32; fewer for a quick check), TINY=1 (a 2-layer
-small model, CPU-sized: checks the script, not a measurement).
+small model, CPU-sized: checks the script, not a measurement), MODEL_DTYPE (bfloat16; float16 builds the
+model and runs its activations in fp16, the unquantized model keeping the scheme name "bf16").
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ SCHEMES = os.environ.get("SCHEMES", "bf16,w4a16,w4a4").split(",")
 COMPILE = os.environ.get("COMPILE", "0") == "1"
 COMPILE_SCHEMES = os.environ.get("COMPILE_SCHEMES", "bf16,w4a16").split(",")
 TINY = os.environ.get("TINY", "0") == "1"
+MODEL_DTYPE = getattr(torch, os.environ.get("MODEL_DTYPE", "bfloat16"))
 SIZES = dict(  # config.json of meta-llama/Llama-3.1-8B
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=int(os.environ.get("LAYERS", 32)),
     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -64,7 +66,8 @@ def env() -> dict:
     import triton
 
     return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "sizes": SIZES}
+            "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "sizes": SIZES,
+            "model_dtype": str(MODEL_DTYPE), "gemv_path": os.environ.get("FP4PTQ_GEMV_PATH", "gemv6")}
 
 
 def build_model():
@@ -72,7 +75,7 @@ def build_model():
 
     torch.manual_seed(0)
     with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZES), dtype=MODEL_DTYPE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
