@@ -549,10 +549,11 @@ def _x_pairs_stream(xw, bidx, b_ok, h: tl.constexpr, EMULATE: tl.constexpr):
 # fp16 activations (gemv6 / gemv7 with F16): the products run in fp16x2 (``fma.rn.f16x2``: 2^-11
 # relative a rounding, against bf16's 2^-8), the codes decoded as v * 2^-14 (``_pair(w, i, 9,
 # FP16_MAG)``: the multiply decode has no fp16 twin, the fields would overlap), and each block's x
-# scaled by 2^e so that its largest |x| lands in [2^15, 2^16) (e at most 15): exact, and no block sum
-# can overflow (8 products of at most 6 * 2^-14 * 2^16 = 24 a lane), while the products of every
-# block stay normal fp16 down to |x| of about 2^-29 times the block max. The block's fp32 sum is
-# multiplied back by 2^-e.
+# scaled by 2^e so that its largest |x| lands in [2^15, 2^16) (e at most 15, so blocks whose largest
+# |x| is under 1 stay below): exact, and no block sum can overflow (8 products of at most 6 * 2^-14 *
+# 2^16 = 24 a lane); products stay normal fp16 down to |x| of 2^-15 times the block max, and the
+# smaller ones (fp16 subnormals) are off by at most 2^-25, under 2^-29 of the block's largest product.
+# The block's fp32 sum is multiplied back by 2^-e.
 _F16_X_PAIR_LOW = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; mul.rn.f16x2 $0, t, $3; }")
 _F16_X_PAIR_HIGH = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, $2, 0x7632; mul.rn.f16x2 $0, t, $3; }")
 
@@ -585,7 +586,7 @@ def _x_pairs_f16(xw, bidx, b_ok, EMULATE: tl.constexpr):
     """fp16 activations of blocks ``bidx`` as the eight fp16x2 pair registers of
     ``_x_pairs_from_words`` (pair i of half h = x[16b + 8h + i], x[16b + 8h + i + 4]), each block's
     scaled by 2^e (e = clamp(30 - E, 0, 15), E the biased exponent of its largest |x|), and the fp32
-    2^-e of each block (zeros where ``b_ok`` is false)."""
+    2^-e of each block (pairs of zeros where ``b_ok`` is false)."""
     lo0, hi0 = _x_words(xw, bidx, b_ok, 0)
     lo1, hi1 = _x_words(xw, bidx, b_ok, 1)
     a0, a1, b0, b1 = lo0.to(tl.int32), (lo0 >> 32).to(tl.int32), hi0.to(tl.int32), (hi0 >> 32).to(tl.int32)
