@@ -977,7 +977,8 @@ def test_fp16_gemvs_keep_fp16_precision_from_the_largest_to_subnormal_activation
     """fp16 x in gemv6 / gemv7: rows reaching 3e4 and 65504 (no block sum overflows), rows of 1e-3,
     blocks mixing 1e4 and 1e-3, all-zero blocks: each row within 2e-3 of the fp32 product and at least
     4x closer than the same row through bf16 (rounded to bf16 first); a row of fp16 subnormals (outputs
-    near fp16's smallest numbers) within half a unit of the output's last place or so."""
+    near fp16's smallest numbers) within one unit of the output's last place (2^-10 relative) plus half
+    the subnormal step (2^-24)."""
     _, gm = tk
     monkeypatch.setattr(gm, "GEMV7", gemv7)
     # gemv7 with the largest layers' fp16 tile (16 rows: a partial second tile here)

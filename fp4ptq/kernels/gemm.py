@@ -1022,9 +1022,9 @@ def _weight_views(weight: NVFP4Tensor):
 
 
 # Shape rules (see benchmarks/NOTES.md, Kernels): the largest M for the GEMV
-# (and which GEMV: "gemv5" packed bf16x2 for bf16 activations, "gemv4" fp32
-# otherwise), and the smallest M from which dequantize + cuBLAS beats the
-# fused GEMM.
+# (and which GEMV: "gemv6" for bf16 and fp16 activations; with "gemv5", bf16
+# only, fp16 takes the fp32 "gemv4"), and the smallest M from which
+# dequantize + cuBLAS beats the fused GEMM.
 GEMV_MAX_M = int(os.environ.get("FP4PTQ_GEMV_MAX_M", 2))
 GEMV_PATH = os.environ.get("FP4PTQ_GEMV_PATH", "gemv6")
 # gemv5 reads x as 8-byte words (4 vector loads per 16-code block) rather than 16 scalar loads.
