@@ -143,11 +143,14 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
     BSTAGES: gl.constexpr = b_ring.type.shape[0]
     BK: gl.constexpr = b_ring.type.shape[2]
     F16: gl.constexpr = b_ring.dtype == gl.float16
+    BN: gl.constexpr = b_ring.type.shape[1]
     DW: gl.constexpr = gl.num_warps()  # this partition's warps
-    # one thread a row (BN / (32 DW) rows a thread), a row's BK/8 words and BK/16 scale bytes
-    wl: gl.constexpr = gl.BlockedLayout([1, BK // 8], [32, 1], [DW, 1], [1, 0])
-    sl: gl.constexpr = gl.BlockedLayout([1, BK // 16], [32, 1], [DW, 1], [1, 0])
-    dl: gl.constexpr = gl.BlockedLayout([1, BK], [32, 1], [DW, 1], [1, 0])
+    # TPR threads a row (two where the partition has more threads than the tile has rows: 8 warps on
+    # 128 rows; one otherwise, BN / (32 DW) rows a thread), each with BK/8/TPR words, BK/16/TPR scale bytes
+    TPR: gl.constexpr = (32 * DW + BN - 1) // BN
+    wl: gl.constexpr = gl.BlockedLayout([1, BK // 8 // TPR], [32 // TPR, TPR], [DW, 1], [1, 0])
+    sl: gl.constexpr = gl.BlockedLayout([1, BK // 16 // TPR], [32 // TPR, TPR], [DW, 1], [1, 0])
+    dl: gl.constexpr = gl.BlockedLayout([1, BK // TPR], [32 // TPR, TPR], [DW, 1], [1, 0])
     wv = w_slot.load(wl)
     sb = s_slice.load(sl)
     # E4M3 byte << 7 is the fp16 scale * 2^-8 (subnormals included); * 2^108 -> scale * 2^100
@@ -441,6 +444,12 @@ def supports(m: int, n: int, k: int) -> bool:
     return m > 0 and n > 0 and k > 0 and k % 256 == 0
 
 
+def consumer_warps(bm: int) -> int:
+    """The consumer partition's warps: one warpgroup a 64-row slice of the activation tile, two at most
+    (BM = 64: one warpgroup; 128 and 256: two, each 64 or 128 rows)."""
+    return 4 if bm == 64 else 8
+
+
 def check_config(cfg: tuple) -> Optional[str]:
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
     if bm not in (64, 128, 256) or bn not in (128, 256) or bk not in (64, 128) or dec_warps not in (4, 8):
@@ -490,6 +499,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     if reason:
         raise ValueError(f"wsgemm: config {cfg}: {reason}")
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
+    warps = consumer_warps(bm)
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
     if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
@@ -509,8 +519,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         _ws_kernel, (full + (tiles - full) * splits,),
         (None, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
          None, m, n, y.stride(0), k // bk, full, splits, chunk, n0), tuple(slots) + (7,),
-        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
-             DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=8, maxnreg=maxnreg))
+        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
+             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 else None
 
     def run(x2, *tensors):

@@ -1,0 +1,176 @@
+"""The warp-specialized GEMM (fp4ptq/kernels/wsgemm.py) with 128- and 64-row activation tiles at
+M = 64..256 on the H200, against the paths the dispatch takes there (mma.py up to 64, wgmma.py at
+65..128, wsgemm's 256-row tile or dequantize + cuBLAS above) and cuBLAS bf16; and the decoder on 8
+warps (two threads a row) at M = 1024. Correctness first (reference decode, odd shapes, fp16, bias,
+W4A4, split tails), then interleaved rounds (medians, CUDA-graph replays).
+
+    PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_small_m_h200.py   # $OUT/wsgemm_small_m_h200.json
+
+Knobs: PHASES (default "checks,small,big"), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
+ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import peers_h200 as peers
+from fp4ptq import nvfp4
+from fp4ptq.kernels import gemm as gm
+from fp4ptq.kernels import wsgemm
+
+dev = torch.device("cuda")
+T0 = time.time()
+BUDGET = float(os.environ.get("BUDGET_S", "420"))
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+MS = [int(v) for v in os.environ.get("MS", "64,96,128,192,256").split(",")]
+SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
+          "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672)}
+SMALL = os.environ.get("SHAPES_SMALL", ",".join(SHAPES)).split(",")
+PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
+# (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)
+SMALL_VARIANTS = {
+    "bm128": (128, 128, 64, 4, 2, 4, 128, 168),        # 1 CTA an SM (registers)
+    "bm128_k128": (128, 128, 128, 3, 2, 4, 128, 168),  # half the ring round trips a weight
+    "bm128_dec8": (128, 128, 64, 4, 2, 8, 80, 128),    # 8 decoder warps, two threads a row
+    "bm64": (64, 128, 64, 4, 2, 4, 96, 128),           # one consumer warpgroup: 2 CTAs an SM
+}
+BIG_VARIANTS = {"default": wsgemm.DEFAULT_CONFIG, "dec8": (256, 128, 64, 4, 2, 8, 80, 128),
+                "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128)}
+out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("JSON", "wsgemm_small_m_h200.json"))
+res = {"env": peers.env(), "variants": SMALL_VARIANTS, "big_variants": BIG_VARIANTS, "ready": None,
+       "checks": [], "small": [], "big": []}
+
+
+def save():
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def rel(y, ref):
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def with_config(cfg, fn):
+    """Run ``fn`` with the dispatch's wsgemm tile set to ``cfg``."""
+    shipped = wsgemm.config
+    wsgemm.config = lambda *a: cfg
+    try:
+        return fn()
+    finally:
+        wsgemm.config = shipped
+
+
+def ws_call(x, wq, cfg, b=None):
+    return lambda: with_config(cfg, lambda: gm.linear_w4a16(x, wq, b, path="wsgemm"))
+
+
+def interleaved(fns: dict) -> dict:
+    times = {}
+    for _ in range(ROUNDS):
+        for label, fn in fns.items():
+            try:
+                times.setdefault(label, []).append(peers.bench(fn) * 1e3)
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                times[label] = repr(exc)[:300]
+    return {a: (statistics.median(b) if isinstance(b, list) else b) for a, b in times.items()}
+
+
+res["ready"] = wsgemm.ready(dev)
+print("ready:", res["ready"], f"{time.time() - T0:.1f}s", flush=True)
+save()
+g = torch.Generator(device=dev).manual_seed(0)
+
+CHECKS = [(65, 520, 1024, torch.bfloat16, True), (100, 6144, 4096, torch.bfloat16, False),
+          (128, 300, 1280, torch.float16, True), (64, 4096, 4096, torch.bfloat16, False),
+          (128, 28672, 4096, torch.bfloat16, True), (33, 1000, 2048, torch.bfloat16, False),
+          (200, 6100, 4096, torch.bfloat16, True)]
+for label, cfg in (SMALL_VARIANTS.items() if "checks" in PHASES else []):
+    for m, n, k, dt, bias in CHECKS:
+        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+        x = torch.randn(m, k, device=dev, generator=g).to(dt)
+        b = torch.randn(n, device=dev, generator=g).to(dt) if bias else None
+        ref = x.float() @ w.dequantize(torch.float32).T + (b.float() if bias else 0)
+        row = {"variant": label, "m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias,
+               "plan": wsgemm.plan(m, n, k, 132, cfg)}
+        try:
+            y = torch.full((m, n), float("nan"), device=dev, dtype=dt)
+            wsgemm.matmul(x, *gm._weight_views(w)[2:], None, b, y, cfg=cfg)
+            row["rel_ref"] = rel(y, ref)
+            row["nan"] = bool(torch.isnan(y).any())
+            other = "mma" if m <= 64 else ("wgmma" if m <= 128 else "cublas")
+            row["rel_" + other] = rel(y, gm.linear_w4a16(x, w, b, path=other))
+            amax = x.float().abs().amax()
+            y4 = with_config(cfg, lambda: gm.linear_w4a4(x, w, amax, b, path="wsgemm"))
+            row["w4a4_rel_cublas"] = rel(y4, gm.linear_w4a4(x, w, amax, b, path="cublas"))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["checks"].append(row)
+        print(json.dumps(row), flush=True)
+save()
+ok = {label: all("error" not in r and not r["nan"] and r["rel_ref"] < 1e-2 and r["w4a4_rel_cublas"] < 1e-2
+                 for r in res["checks"] if r["variant"] == label) for label in SMALL_VARIANTS}
+res["checks_ok"] = ok
+print("checks ok:", ok, flush=True)
+
+for name in (SMALL if "small" in PHASES else []):
+    n, k = SHAPES[name]
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    wq = nvfp4.quantize(w)
+    for m in MS:
+        if time.time() - T0 > BUDGET:
+            break
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        fns = {"cublas_bf16": lambda: x @ w.t(), "dispatch": lambda: gm.linear_w4a16(x, wq)}
+        if m <= 64:
+            fns["mma"] = lambda: gm.linear_w4a16(x, wq, path="mma")
+        elif m <= 128:
+            fns["wgmma"] = lambda: gm.linear_w4a16(x, wq, path="wgmma")
+        else:
+            fns["ws_default"] = ws_call(x, wq, wsgemm.DEFAULT_CONFIG)
+            fns["dequant_cublas"] = lambda: gm.linear_w4a16(x, wq, path="cublas")
+        for label, cfg in SMALL_VARIANTS.items():
+            if ok.get(label):
+                fns["ws_" + label] = ws_call(x, wq, cfg)
+        row = {"shape": name, "m": m, "dispatch_path": gm._auto_path(m, torch.bfloat16, False, k, dev, n),
+               "plans": {lb: wsgemm.plan(m, n, k, 132, c) for lb, c in SMALL_VARIANTS.items()},
+               "median_us": interleaved(fns)}
+        t = row["median_us"]
+        best = min((v, lb) for lb, v in t.items() if lb.startswith("ws_") and isinstance(v, float))
+        row["best_ws"] = best[1]
+        row["best_ws_vs_cublas"] = t["cublas_bf16"] / best[0]
+        row["best_ws_vs_dispatch"] = t["dispatch"] / best[0]
+        res["small"].append(row)
+        print(json.dumps({"shape": name, "m": m, "dispatch": row["dispatch_path"],
+                          "us": {a: (round(b, 2) if isinstance(b, float) else b) for a, b in t.items()}}), flush=True)
+        save()
+        del x
+
+for name in (("8B.qkv", "8B.o", "8B.gate_up", "70B.down") if "big" in PHASES else []):
+    if time.time() - T0 > BUDGET:
+        break
+    n, k = SHAPES[name]
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    wq = nvfp4.quantize(w)
+    x = torch.randn(1024, k, device=dev, dtype=torch.bfloat16, generator=g)
+    ref = gm.linear_w4a16(x, wq, path="wsgemm")
+    row = {"shape": name, "m": 1024, "errors": {}}
+    for label, cfg in BIG_VARIANTS.items():
+        try:
+            row["errors"][label] = rel(ws_call(x, wq, cfg)(), ref)
+        except Exception as exc:  # noqa: BLE001
+            row["errors"][label] = repr(exc)[:300]
+    fns = {"cublas_bf16": lambda: x @ w.t()}
+    fns.update({label: ws_call(x, wq, cfg) for label, cfg in BIG_VARIANTS.items()
+                if isinstance(row["errors"][label], float) and row["errors"][label] < 1e-5})
+    row["median_us"] = interleaved(fns)
+    res["big"].append(row)
+    print(json.dumps(row), flush=True)
+    save()
+res["total_s"] = time.time() - T0
+save()
+print(f"done in {res['total_s']:.0f}s", flush=True)
