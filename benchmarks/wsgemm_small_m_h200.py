@@ -7,7 +7,8 @@ W4A4, split tails), then interleaved rounds (medians, CUDA-graph replays).
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_small_m_h200.py   # $OUT/wsgemm_small_m_h200.json
 
 Knobs: PHASES (default "checks,small,big"), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
-ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name).
+ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name), VARIANTS (the
+small-tile variants to run, comma-separated; default all).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ SMALL_VARIANTS = {
     "bm128_dec8": (128, 128, 64, 4, 2, 8, 80, 128),    # 8 decoder warps, two threads a row
     "bm64": (64, 128, 64, 4, 2, 4, 96, 128),           # one consumer warpgroup: 2 CTAs an SM
 }
+if os.environ.get("VARIANTS"):
+    SMALL_VARIANTS = {a: SMALL_VARIANTS[a] for a in os.environ["VARIANTS"].split(",")}
 BIG_VARIANTS = {"default": wsgemm.DEFAULT_CONFIG, "dec8": (256, 128, 64, 4, 2, 8, 80, 128),
                 "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128)}
 out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("JSON", "wsgemm_small_m_h200.json"))
