@@ -312,7 +312,7 @@ def main_gpu():
                 ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
             if m < 1024:  # (runs 1-9: 0.27-0.41x cuBLAS from M = 1024; slow to time at M = 8192)
                 ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
-            if 128 < m <= 2048:
+            if 32 < m <= 2048:  # (its 64- / 128-row tiles below M = 129)
                 ours["ours_w4a16_wsgemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="wsgemm")
             if m <= 64:
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")

@@ -6,7 +6,8 @@ W4A4, split tails), then interleaved rounds (medians, CUDA-graph replays).
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_small_m_h200.py   # $OUT/wsgemm_small_m_h200.json
 
-Knobs: PHASES (default "checks,small,big"), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
+Knobs: PHASES (default "checks,small,big"; "fp16" times the shipped rule with fp16 activations at M = 64
+and 128 against mma.py / wgmma.py and cuBLAS fp16), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
 ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name), VARIANTS (the
 small-tile variants to run, comma-separated; default all).
 """
@@ -152,6 +153,21 @@ for name in (SMALL if "small" in PHASES else []):
                           "us": {a: (round(b, 2) if isinstance(b, float) else b) for a, b in t.items()}}), flush=True)
         save()
         del x
+
+for name in (SHAPES if "fp16" in PHASES else []):  # the shipped rule with fp16 activations
+    n, k = SHAPES[name]
+    wq = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+    w16 = wq.dequantize(torch.float16)
+    for m in (64, 128):
+        x = torch.randn(m, k, device=dev, dtype=torch.float16, generator=g)
+        old = "mma" if m <= 64 else "wgmma"
+        row = {"shape": name, "m": m, "dtype": "fp16", "dispatch_path": gm._auto_path(m, x.dtype, False, k, dev, n),
+               "rel_ref": rel(gm.linear_w4a16(x, wq), x.float() @ wq.dequantize(torch.float32).T)}
+        row["median_us"] = interleaved({"cublas_fp16": lambda: x @ w16.t(), "dispatch": lambda: gm.linear_w4a16(x, wq),
+                                        old: lambda: gm.linear_w4a16(x, wq, path=old)})
+        res.setdefault("fp16", []).append(row)
+        print(json.dumps(row), flush=True)
+        save()
 
 for name in (("8B.qkv", "8B.o", "8B.gate_up", "70B.down") if "big" in PHASES else []):
     if time.time() - T0 > BUDGET:

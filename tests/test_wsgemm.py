@@ -61,18 +61,22 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
                                        gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
     s_d = TensorDescriptor.from_tensor(torch.empty(4096, 256, dtype=torch.uint8), [bn, 16],
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
-    ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=8,
+    warps = ws.consumer_warps(bm)
+    ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
               DEC_WARPS=dw, DEC_REGS=dr)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32"}
-    return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym", "n0"), num_warps=8,
-                       maxnreg=maxnreg)
+    return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym", "n0"),
+                       num_warps=warps, maxnreg=maxnreg)
 
 
 @pytest.mark.parametrize("cfg,dt,bias,xenc", [
     (ws.DEFAULT_CONFIG, "bf16", False, False),
     (ws.DEFAULT_CONFIG, "fp16", True, True),
     ((128, 256, 64, 5, 2, 4, 128, 168), "bf16", True, False),
+    (ws.SMALL_M_CONFIG, "bf16", True, True),
+    (ws.TINY_M_CONFIG, "fp16", False, False),
+    ((128, 128, 64, 4, 2, 8, 80, 128), "bf16", False, False),  # 8 decoder warps: two threads a row
 ])
 def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
     """TMA copies completing on mbarriers, asynchronous wgmma from two shared-memory operands,
@@ -115,7 +119,10 @@ def test_shape_rule_follows_the_measured_rows():
     assert ws.preferred(2048, 28672, 4096, w4a4=True) and ws.preferred(8192, 4096, 4096, w4a4=True)
     assert ws.preferred(2048, 8192, 28672, w4a4=True) and not ws.preferred(4096, 8192, 28672, w4a4=True)
     assert not ws.preferred(16384, 4096, 4096, w4a4=True)
-    assert not ws.preferred(128, 28672, 4096)  # wgmma's rows
+    # M = 33..128 with the small tiles (wsgemm_small_m_h200.json): every measured layer, whole tiles or split
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):
+        assert ws.preferred(128, n, k) and ws.preferred(64, n, k) and ws.preferred(33, n, k)
+    assert not ws.preferred(32, 28672, 4096)  # mma.py's 32-row tile, not timed against these
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
@@ -128,8 +135,9 @@ def test_shape_rule_follows_the_measured_rows():
 
 def _programs(m, n, k, sms):
     """The kernel's program -> (tile, first K step, steps) map, as ``_ws_kernel`` computes it."""
-    full, splits, chunk, nt0, _ = ws.plan(m, n, k, sms)
-    bm, bn, bk = ws.DEFAULT_CONFIG[:3]
+    cfg = ws.config(m, n, k, sms)
+    full, splits, chunk, nt0, _ = ws.plan(m, n, k, sms, cfg)
+    bm, bn, bk = cfg[:3]
     tiles, steps = -(-m // bm) * -(-n // bn), k // bk
     out = []
     for pid in range(full + (tiles - full) * splits):
@@ -141,13 +149,15 @@ def _programs(m, n, k, sms):
 
 @pytest.mark.parametrize("m,n,k,sms", [(1024, 6144, 4096, 132), (256, 4096, 14336, 132), (300, 520, 4096, 132),
                                        (768, 6144, 4096, 132), (1000, 6100, 4096, 132), (129, 57344, 8192, 132),
-                                       (4100, 6144, 4096, 132), (1024, 6144, 4096, 114), (700, 3000, 5120, 78)])
+                                       (4100, 6144, 4096, 132), (1024, 6144, 4096, 114), (700, 3000, 5120, 78),
+                                       (128, 6144, 4096, 132), (100, 57344, 8192, 132), (64, 4096, 14336, 132),
+                                       (40, 28672, 4096, 132), (33, 1000, 2048, 78)])
 def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms):
     """Every (tile, K step) is computed by exactly one program; split K ranges are whole scale groups
     (256 K) of at least MIN_PART_STEPS steps; the split tiles are whole weight-tile columns from nt0 on
     (the partial-sum workspace is [splits, M, N - nt0 * BN]), placed after the whole tiles."""
     progs, (full, splits, chunk, nt0), tiles, steps = _programs(m, n, k, sms)
-    num_m = -(-m // ws.DEFAULT_CONFIG[0])
+    num_m = -(-m // ws.config(m, n, k, sms)[0])
     covered = {}
     for t, k0, ks in progs:
         assert ks >= 1 and 0 <= k0 and k0 + ks <= steps
@@ -171,6 +181,20 @@ def test_plan_splits_only_where_the_model_saves_time():
     assert whole == 2 * (64 + ws.PROGRAM_STEPS) and split == (64 + ws.PROGRAM_STEPS) + (32 + ws.PROGRAM_STEPS)
 
 
+def test_config_picks_the_tile_by_m():
+    """64 rows (one consumer warpgroup) to M = 64, 128 rows to 128, 256 above (wsgemm_small_m_h200.json);
+    every tile fits, and the 64-row one leaves room for two CTAs an SM (shared memory and registers)."""
+    assert ws.config(33, 4096, 4096) == ws.config(64, 4096, 4096) == ws.TINY_M_CONFIG
+    assert ws.config(65, 4096, 4096) == ws.config(128, 4096, 4096) == ws.SMALL_M_CONFIG
+    assert ws.config(129, 4096, 4096) == ws.config(1024, 4096, 4096) == ws.DEFAULT_CONFIG
+    for cfg in (ws.TINY_M_CONFIG, ws.SMALL_M_CONFIG, ws.DEFAULT_CONFIG):
+        assert ws.check_config(cfg) is None
+    bm, bn, bk, xs, bs, dec_warps, _, maxnreg = ws.TINY_M_CONFIG
+    assert ws.consumer_warps(bm) == 4 and ws.consumer_warps(128) == ws.consumer_warps(256) == 8
+    assert 2 * (ws.consumer_warps(bm) + dec_warps) * 32 * maxnreg <= 65536
+    assert 2 * (xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16) <= 228 * 1024
+
+
 def test_check_config_refuses_what_does_not_fit():
     assert ws.check_config(ws.DEFAULT_CONFIG) is None
     assert "shared memory" in ws.check_config((256, 128, 64, 6, 2, 4, 128, 168))
@@ -188,7 +212,14 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
     assert gemm._auto_path(2048, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
     assert gemm._auto_path(2048, torch.bfloat16, True, 4096, cuda, 28672) == "wsgemm"  # W4A4
     assert gemm._auto_path(8192, torch.bfloat16, True, 28672, cuda, 8192) == "cublas"
-    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
+    # M = 33..128: the small tiles ahead of mma.py / wgmma.py; M <= 32 and short K stay on those
+    for dt in (torch.bfloat16, torch.float16):
+        assert gemm._auto_path(128, dt, False, 4096, cuda, 28672) == "wsgemm"
+        assert gemm._auto_path(64, dt, True, 8192, cuda, 57344) == "wsgemm"
+        assert gemm._auto_path(33, dt, False, 14336, cuda, 4096) == "wsgemm"
+        assert gemm._auto_path(32, dt, False, 4096, cuda, 28672) == "mma"
+        assert gemm._auto_path(100, dt, False, 2048, cuda, 28672) == "wgmma"  # K below the rule's 4096
+        assert gemm._auto_path(48, dt, False, 2048, cuda, 28672) == "mma"
     assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
     monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
     assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"

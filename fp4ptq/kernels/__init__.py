@@ -19,11 +19,12 @@ activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
 ``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2
 on layers of 4M weights and more, once its self-test passed on the device; the tiled GEMM
 covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
-Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 once its
-self-test passed), ``wsgemm.py`` (Gluon, warp-specialized: a warpgroup decodes
-TMA-copied weight tiles into shared memory for two warpgroups issuing ``wgmma``;
-on sm_90 it takes 129 <= M <= 1024 where its tiles fill the SMs, once its
-self-test passed; dequantize + cuBLAS otherwise) and ``dot_scaled.py``
+Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 where
+wsgemm.py does not, once its self-test passed), ``wsgemm.py`` (Gluon, warp-specialized:
+a warpgroup decodes TMA-copied weight tiles into shared memory for one or two warpgroups
+issuing ``wgmma``; on sm_90 it takes 33 <= M <= 1024 where its tiles fill the SMs (64-,
+128- and 256-row tiles by M), once its self-test passed; mma.py, wgmma.py or dequantize +
+cuBLAS otherwise) and ``dot_scaled.py``
 (NVFP4 x NVFP4 on the FP4 tensor cores of sm_100 and later through
 ``tl.dot_scaled``, used for W4A4 there after a self-test on the device).
 

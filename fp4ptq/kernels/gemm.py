@@ -15,9 +15,10 @@ predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2; fp16 where gemv
 the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 (``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
-``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128), ``wsgemm`` the warp-specialized Gluon
-GEMM (``wsgemm.py``, sm_90, 129 <= M <= 1024, W4A4 to 2048 or 8192, where its tiles fill the SMs
-or its split tail does, K % 256 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more),
+``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128 where wsgemm does not run), ``wsgemm`` the
+warp-specialized Gluon GEMM (``wsgemm.py``, sm_90, 33 <= M <= 1024 (64-row tiles to M = 64, 128-row
+tiles to 128, then 256), W4A4 to 2048 or 8192, where its tiles fill the SMs or its split tail does,
+K % 256 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more; ahead of mma.py there),
 ``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
 its self-test passed). Timings: benchmarks/results/kernels_h200.md.
@@ -1044,8 +1045,9 @@ MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
-# The warp-specialized Gluon kernel (wsgemm.py) from M = 129 where its tiles fill the SMs or its split
-# tail does (wsgemm.preferred; results/wsgemm_h200_rule.json, wsgemm_h200_split.json). FP4PTQ_WSGEMM=0
+# The warp-specialized Gluon kernel (wsgemm.py) from M = 33 where its tiles fill the SMs or its split
+# tail does (wsgemm.preferred; results/wsgemm_h200_rule.json, wsgemm_h200_split.json, and at M = 33..128
+# with 64- / 128-row tiles ahead of mma.py and wgmma.py, wsgemm_small_m_h200.json). FP4PTQ_WSGEMM=0
 # turns it off.
 WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
@@ -1532,13 +1534,16 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         if (m2_mma or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
+    # wsgemm first where its rule admits the shape (M = 33..64 with its 64-row tile ahead of mma.py,
+    # 65..128 with its 128-row tile ahead of wgmma.py: results/wsgemm_small_m_h200.json)
+    if sm90_ok("wsgemm", WSGEMM,  # (the SM count asked only for its rows)
+               lambda mod: mod.MIN_M <= m and mod.supports(m, n, k)
+               and mod.preferred(m, n, k, _sm_count(device), w4a4)):
+        return "wsgemm"
     if mma_ok():
         return "mma"
     if sm90_ok("wgmma", WGMMA, lambda mod: mod.preferred(m, n, k)):
         return "wgmma"
-    if sm90_ok("wsgemm", WSGEMM,  # (the SM count asked only for its rows)
-               lambda mod: mod.MIN_M <= m and mod.preferred(m, n, k, _sm_count(device), w4a4)):
-        return "wsgemm"
     return "cublas" if m >= (CUBLAS_MIN_M_W4A4 if w4a4 else CUBLAS_MIN_M) else "gemm"
 
 

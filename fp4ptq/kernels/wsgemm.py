@@ -334,10 +334,26 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
 DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
 
 
+# At M <= 128 (session 22, results/wsgemm_small_m_h200.json, six Llama-3.1 layers, 3 interleaved rounds):
+# the 128 x 128 tile at M = 65..128 (one row tile: every weight decoded once) 1.20-1.62x faster than
+# wgmma.py (70B gate_up at M = 128 295 us against 479, 8B gate_up 85 against 131); the 64-row tile (one
+# consumer warpgroup, 128 registers, 86 KB: two CTAs an SM, so two decoders) at M = 33..64 1.02-1.44x
+# faster than mma.py, whose tile is 64 rows there too (8B gate_up 53 us against 77, ahead of cuBLAS's 62).
+# BK = 128 and 8 decoder warps were 2-10% slower; the 256-row tile stays ahead from M = 129 on (192 and
+# 256 measured).
+SMALL_M_CONFIG = (128, 128, 64, 4, 2, 4, 128, 168)
+TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
+
+
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """The tile: 256 activation rows x 128 weight rows x 64 K (two consumer warpgroups of 128 x 128
-    fp32 accumulators), a 4-step TMA ring and 2 decoded tiles (run v2: 7-9% ahead of 128 x 256, which
-    decodes twice the weights a FLOP)."""
+    """The tile by M: 256 activation rows x 128 weight rows x 64 K from M = 129 (two consumer warpgroups
+    of 128 x 128 fp32 accumulators; run v2: 7-9% ahead of 128 x 256, which decodes twice the weights a
+    FLOP), 128 rows at M = 65..128 and 64 rows (one consumer warpgroup, two CTAs an SM) below; a 4-step
+    TMA ring and 2 decoded tiles."""
+    if m <= 64:
+        return TINY_M_CONFIG
+    if m <= 128:
+        return SMALL_M_CONFIG
     return DEFAULT_CONFIG
 
 
@@ -346,11 +362,12 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 # cuBLAS: every row whose tiles fill at least 80% of the SMs over their waves, up to M = 1024 (1.03-1.6x;
 # at M = 1024 0.84-0.90x cuBLAS bf16); behind where a partial wave idles SMs (8B qkv at M = 1024: 192
 # tiles on 132 SMs, 0.85x; 8B o / down at M = 256-768) and from M = 1536 on most layers (the separate
-# decode pass is amortized over more rows there). From M = 129 (wgmma.py takes M <= 128): the 256-row
-# tile costs what it costs at M = 256, and dequantize + cuBLAS at least its M = 128 time, which is more
-# on the two layers the rule admits there (8B gate_up 159.5 against 119.0 us, 70B gate_up 623.3 against
-# 446.2).
-MIN_M, MAX_M = 129, 1024
+# decode pass is amortized over more rows there). At M = 129 the 256-row tile costs what it costs at
+# M = 256, and dequantize + cuBLAS at least its M = 128 time, which is more on the two layers the rule
+# admits there (8B gate_up 159.5 against 119.0 us, 70B gate_up 623.3 against 446.2). Below M = 129 the
+# small tiles (``config``) replace mma.py (33..64) and wgmma.py (65..128) on the rows the same rule
+# admits; M <= 32 stays on mma.py (its 32-row tile, not timed against these).
+MIN_M, MAX_M = 33, 1024  # 33..128: the small tiles above
 MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
 # W4A4 (results/wsgemm_h200_split.json, "w4a4big"): the cuBLAS path also scales its output in a second
 # pass, so this kernel stays ahead further: at M = 1536..8192 on the K = 4096 layers (8B o at 8192: 530
@@ -426,15 +443,16 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
-    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 129 to 1024 (W4A4: to 2048, and to
-    8192 where K <= 4096), and a ``plan`` that either splits the last wave's tiles or fills at least
-    80% of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json: ahead
-    of or level with the path it replaces on every such row)."""
+    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
+    8192 where K <= 4096; 33..128 with ``config``'s small tiles), and a ``plan`` (for M's tile) that
+    either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
+    (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json, wsgemm_small_m_h200.json: ahead of or
+    level with the path it replaces on every such row)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)):
         return False
-    _, splits, _, _, fill = plan(m, n, k, sms)
+    _, splits, _, _, fill = plan(m, n, k, sms, config(m, n, k, sms))
     return splits > 1 or fill >= MIN_WAVE_FILL
 
 
@@ -538,10 +556,12 @@ _LABEL = "the warp-specialized path"
 
 
 def _self_test(device: torch.device) -> Optional[str]:
-    """Partial row and column tiles, one K step, fp16, and tiles split by K (``plan``: the 10 tiles of
-    300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more)."""
+    """Partial row and column tiles, one K step, fp16, tiles split by K (``plan``: the 10 tiles of
+    300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more), and the 64- and 128-row
+    tiles of M <= 128 (one consumer warpgroup; fp16)."""
     return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
-                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16)), device)
+                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16),
+                                  (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16)), device)
 
 
 def ready(device: torch.device) -> Optional[str]:
@@ -557,5 +577,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_M", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
