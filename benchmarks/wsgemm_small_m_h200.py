@@ -9,7 +9,7 @@ W4A4, split tails), then interleaved rounds (medians, CUDA-graph replays).
 Knobs: PHASES (default "checks,small,big"; "fp16" times the shipped rule with fp16 activations at M = 64
 and 128 against mma.py / wgmma.py and cuBLAS fp16), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
 ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name), VARIANTS (the
-small-tile variants to run, comma-separated; default all).
+small-tile variants to run, comma-separated; default all), BIG_VARIANTS (likewise at M = 1024).
 """
 from __future__ import annotations
 
@@ -40,11 +40,17 @@ SMALL_VARIANTS = {
     "bm128_k128": (128, 128, 128, 3, 2, 4, 128, 168),  # half the ring round trips a weight
     "bm128_dec8": (128, 128, 64, 4, 2, 8, 80, 128),    # 8 decoder warps, two threads a row
     "bm64": (64, 128, 64, 4, 2, 4, 96, 128),           # one consumer warpgroup: 2 CTAs an SM
+    # 64 weight rows a tile: one consumer warpgroup (64 accumulator registers a thread) at BM = 128 too
+    "bm128n64": (128, 64, 64, 4, 2, 4, 96, 128),       # 2 CTAs an SM
+    "bm128n64_r112": (128, 64, 64, 4, 2, 4, 80, 112),  # 2 CTAs an SM, fewer registers
+    "bm64n64": (64, 64, 64, 4, 2, 4, 64, 80),          # 3 CTAs an SM
 }
 if os.environ.get("VARIANTS"):
     SMALL_VARIANTS = {a: SMALL_VARIANTS[a] for a in os.environ["VARIANTS"].split(",")}
 BIG_VARIANTS = {"default": wsgemm.DEFAULT_CONFIG, "dec8": (256, 128, 64, 4, 2, 8, 80, 128),
-                "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128)}
+                "dec8_r96": (256, 128, 64, 4, 2, 8, 96, 128), "n64": (256, 64, 64, 4, 2, 4, 128, 168)}
+if os.environ.get("BIG_VARIANTS"):
+    BIG_VARIANTS = {a: BIG_VARIANTS[a] for a in os.environ["BIG_VARIANTS"].split(",")}
 out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("JSON", "wsgemm_small_m_h200.json"))
 res = {"env": peers.env(), "variants": SMALL_VARIANTS, "big_variants": BIG_VARIANTS, "ready": None,
        "checks": [], "small": [], "big": []}

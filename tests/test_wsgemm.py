@@ -61,7 +61,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
                                        gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32))
     s_d = TensorDescriptor.from_tensor(torch.empty(4096, 256, dtype=torch.uint8), [bn, 16],
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
-    warps = ws.consumer_warps(bm)
+    warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
               DEC_WARPS=dw, DEC_REGS=dr)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
@@ -190,8 +190,9 @@ def test_config_picks_the_tile_by_m():
     for cfg in (ws.TINY_M_CONFIG, ws.SMALL_M_CONFIG, ws.DEFAULT_CONFIG):
         assert ws.check_config(cfg) is None
     bm, bn, bk, xs, bs, dec_warps, _, maxnreg = ws.TINY_M_CONFIG
-    assert ws.consumer_warps(bm) == 4 and ws.consumer_warps(128) == ws.consumer_warps(256) == 8
-    assert 2 * (ws.consumer_warps(bm) + dec_warps) * 32 * maxnreg <= 65536
+    assert ws.consumer_warps(bm, bn) == ws.consumer_warps(128, 64) == 4
+    assert ws.consumer_warps(128, 128) == ws.consumer_warps(256, 128) == 8
+    assert 2 * (ws.consumer_warps(bm, bn) + dec_warps) * 32 * maxnreg <= 65536
     assert 2 * (xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16) <= 228 * 1024
 
 

@@ -462,16 +462,16 @@ def supports(m: int, n: int, k: int) -> bool:
     return m > 0 and n > 0 and k > 0 and k % 256 == 0
 
 
-def consumer_warps(bm: int) -> int:
-    """The consumer partition's warps: one warpgroup a 64-row slice of the activation tile, two at most
-    (BM = 64: one warpgroup; 128 and 256: two, each 64 or 128 rows)."""
-    return 4 if bm == 64 else 8
+def consumer_warps(bm: int, bn: int) -> int:
+    """The consumer partition's warps: one warpgroup where the accumulator tile has at most 8192
+    elements (64 fp32 registers a thread: 64 x 128 or 128 x 64), two otherwise (each 64 or 128 rows)."""
+    return 4 if bm * bn <= 8192 else 8
 
 
 def check_config(cfg: tuple) -> Optional[str]:
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
-    if bm not in (64, 128, 256) or bn not in (128, 256) or bk not in (64, 128) or dec_warps not in (4, 8):
-        return "BM 64, 128 or 256, BN 128 or 256, BK 64 or 128, 4 or 8 decoder warps"
+    if bm not in (64, 128, 256) or bn not in (64, 128, 256) or bk not in (64, 128) or dec_warps not in (4, 8):
+        return "BM 64, 128 or 256, BN 64, 128 or 256, BK 64 or 128, 4 or 8 decoder warps"
     if xs < 3 or bs < 2:
         return "the TMA ring needs at least 3 stages (2 steps ahead), the decoded ring 2"
     smem = xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16
@@ -517,7 +517,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     if reason:
         raise ValueError(f"wsgemm: config {cfg}: {reason}")
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
-    warps = consumer_warps(bm)
+    warps = consumer_warps(bm, bn)
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
     if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
