@@ -77,6 +77,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
     (ws.SMALL_M_CONFIG, "bf16", True, True),
     (ws.TINY_M_CONFIG, "fp16", False, False),
     ((128, 128, 64, 4, 2, 8, 80, 128), "bf16", False, False),  # 8 decoder warps: two threads a row
+    ((128, 64, 64, 4, 2, 4, 96, 128), "bf16", True, False),  # 64 weight rows: one consumer warpgroup
 ])
 def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
     """TMA copies completing on mbarriers, asynchronous wgmma from two shared-memory operands,
