@@ -223,6 +223,11 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
         assert gemm._auto_path(100, dt, False, 2048, cuda, 28672) == "wgmma"  # K below the rule's 4096
         assert gemm._auto_path(48, dt, False, 2048, cuda, 28672) == "mma"
     assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
+    monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
+    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
+    assert gemm._auto_path(64, torch.bfloat16, False, 4096, cuda, 28672) == "mma"
+    assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 28672) == "wsgemm"
+    monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 0)
     monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
     assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
     monkeypatch.setattr(gemm, "WSGEMM", True)

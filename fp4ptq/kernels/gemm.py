@@ -1050,6 +1050,8 @@ WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"
 # with 64- / 128-row tiles ahead of mma.py and wgmma.py, wsgemm_small_m_h200.json). FP4PTQ_WSGEMM=0
 # turns it off.
 WSGEMM = os.environ.get("FP4PTQ_WSGEMM", "1") != "0"
+# The least M it takes (wsgemm.MIN_M, 33, where this is lower): 129 gives mma.py / wgmma.py back M <= 128.
+WSGEMM_MIN_M = int(os.environ.get("FP4PTQ_WSGEMM_MIN_M", 0))
 CUBLAS_MIN_M_W4A4 = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M_W4A4", 64))
 # The W4A4 dequantize + cuBLAS path keeps cuBLAS's fp32 sums until the global scales divide them: an fp32
 # [rows, N] product beside the output. Above this many bytes of it the rows go in chunks (whole multiples
@@ -1537,7 +1539,7 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     # wsgemm first where its rule admits the shape (M = 33..64 with its 64-row tile ahead of mma.py,
     # 65..128 with its 128-row tile ahead of wgmma.py: results/wsgemm_small_m_h200.json)
     if sm90_ok("wsgemm", WSGEMM,  # (the SM count asked only for its rows)
-               lambda mod: mod.MIN_M <= m and mod.supports(m, n, k)
+               lambda mod: max(mod.MIN_M, WSGEMM_MIN_M) <= m and mod.supports(m, n, k)
                and mod.preferred(m, n, k, _sm_count(device), w4a4)):
         return "wsgemm"
     if mma_ok():
