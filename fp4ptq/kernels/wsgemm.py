@@ -1,4 +1,4 @@
-"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 129..1024
+"""NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 33..1024
 on Hopper, with the weight decoded inside the main loop by a warpgroup of its
 own (warp specialization), written in Gluon. sm_90 only; bf16 or fp16
 activations, K % 256 == 0.
@@ -46,7 +46,9 @@ kernels' up to the order of the fp32 sums.
 Measured (table run 10, results/kernels_h200.md): 0.88-0.90x cuBLAS bf16 at
 M = 1024 on five Llama-3.1 layers, W4A4 1.08-1.29x cuBLAS's time; with the
 split tail 8B qkv 0.85x and, at M = 129..512, 1.07-1.64x dequantize + cuBLAS
-(results/wsgemm_h200_split.json). The dispatch
+(results/wsgemm_h200_split.json). Smaller tiles below M = 129 (``config``: 128 activation rows at
+M = 65..128, 64 rows on one consumer warpgroup at 33..64, two CTAs an SM) beat wgmma.py by 1.20-1.62x and
+mma.py by 1.02-1.45x there (results/wsgemm_small_m_h200.json). The dispatch
 uses it only where ``preferred`` (its measured rows) and after ``ready(device)``
 (sm_90, a self-test on the device) answered None. CPU tests (tests/test_wsgemm.py)
 run the decoder's PTX in an emulator, check the shape rule and compile the
