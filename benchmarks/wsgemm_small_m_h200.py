@@ -31,8 +31,10 @@ BUDGET = float(os.environ.get("BUDGET_S", "420"))
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
 MS = [int(v) for v in os.environ.get("MS", "64,96,128,192,256").split(",")]
 SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
-          "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672)}
-SMALL = os.environ.get("SHAPES_SMALL", ",".join(SHAPES)).split(",")
+          "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672),
+          # the unfused Llama-3.1-8B projections (not in the default SHAPES_SMALL)
+          "8B.k": (1024, 4096), "8B.gate": (14336, 4096)}
+SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)
 SMALL_VARIANTS = {
@@ -160,7 +162,7 @@ for name in (SMALL if "small" in PHASES else []):
         save()
         del x
 
-for name in (SHAPES if "fp16" in PHASES else []):  # the shipped rule with fp16 activations
+for name in (SMALL if "fp16" in PHASES else []):  # the shipped rule with fp16 activations
     n, k = SHAPES[name]
     wq = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
     w16 = wq.dequantize(torch.float16)

@@ -124,6 +124,8 @@ def test_shape_rule_follows_the_measured_rows():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)):
         assert ws.preferred(128, n, k) and ws.preferred(64, n, k) and ws.preferred(33, n, k)
     assert not ws.preferred(32, 28672, 4096)  # mma.py's 32-row tile, not timed against these
+    # narrower than the measured layers (k / v of Llama-3.1-8B, 1024 rows): mma.py / wgmma.py keep them
+    assert not ws.preferred(64, 1024, 4096) and not ws.preferred(128, 2048, 4096) and ws.preferred(129, 1024, 4096)
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
@@ -222,6 +224,8 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
         assert gemm._auto_path(32, dt, False, 4096, cuda, 28672) == "mma"
         assert gemm._auto_path(100, dt, False, 2048, cuda, 28672) == "wgmma"  # K below the rule's 4096
         assert gemm._auto_path(48, dt, False, 2048, cuda, 28672) == "mma"
+        assert gemm._auto_path(64, dt, False, 4096, cuda, 1024) == "mma"  # N below MIN_N_SMALL_M
+        assert gemm._auto_path(128, dt, False, 4096, cuda, 1024) == "wgmma"
     assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
     monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
     assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"

@@ -370,6 +370,10 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 # small tiles (``config``) replace mma.py (33..64) and wgmma.py (65..128) on the rows the same rule
 # admits; M <= 32 stays on mma.py (its 32-row tile, not timed against these).
 MIN_M, MAX_M = 33, 1024  # 33..128: the small tiles above
+# ... on layers of 4096 rows and more, the narrowest measured there: in a whole Llama-3.1-8B-shaped model
+# at B = 64 (results/e2e_decode_h200_b64_128_after.json) the unfused q / k / v layers' kernels took 1.4%
+# more GPU time than before while the fused ones' took 17% less, so k / v (1024 rows) keep mma.py / wgmma.py
+MIN_N_SMALL_M = 4096
 MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
 # W4A4 (results/wsgemm_h200_split.json, "w4a4big"): the cuBLAS path also scales its output in a second
 # pass, so this kernel stays ahead further: at M = 1536..8192 on the K = 4096 layers (8B o at 8192: 530
@@ -446,13 +450,14 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
     K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
-    8192 where K <= 4096; 33..128 with ``config``'s small tiles), and a ``plan`` (for M's tile) that
+    8192 where K <= 4096; 33..128 with ``config``'s small tiles, on layers of MIN_N_SMALL_M rows and
+    more), and a ``plan`` (for M's tile) that
     either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
     (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json, wsgemm_small_m_h200.json: ahead of or
     level with the path it replaces on every such row)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
-    if not (MIN_M <= m <= top and long_enough and supports(m, n, k)):
+    if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
         return False
     _, splits, _, _, fill = plan(m, n, k, sms, config(m, n, k, sms))
     return splits > 1 or fill >= MIN_WAVE_FILL
