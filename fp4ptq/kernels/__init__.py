@@ -16,7 +16,7 @@ launcher and its paths: GEMVs for M <= 2 (packed bf16x2 / fp16x2 sums with the
 activation row held in registers or streamed), a tiled GEMM, dequantize +
 cuBLAS for M >= 129 where wsgemm.py does not run; W4A4 runs the same paths after quantizing the
 activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
-``mma.sync``; on CUDA it takes 3 <= M <= 64 with bf16/fp16 activations, M = 2
+``mma.sync``; on CUDA it takes 3 <= M <= 64 (33..64 where wsgemm.py does not) with bf16/fp16 activations, M = 2
 on layers of 4M weights and more, once its self-test passed on the device; the tiled GEMM
 covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
 Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 where

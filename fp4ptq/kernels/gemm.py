@@ -13,7 +13,7 @@ weights and more whose K it would split, the down projections, the path runs gem
 instead: whole rows a program, x re-read from L1 each step, no split), ``gemv5`` its
 predecessor (x re-read every step), ``gemv4`` fp32 GEMV (M <= 2; fp16 where gemv5 is asked for), ``gemv``
 the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
-(``mma.py``; 3 <= M <= 64, and M = 2 from 4M weights, bf16/fp16 activations,
+(``mma.py``; 3 <= M <= 64 where wsgemm does not run, and M = 2 from 4M weights, bf16/fp16 activations,
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128 where wsgemm does not run), ``wsgemm`` the
 warp-specialized Gluon GEMM (``wsgemm.py``, sm_90, 33 <= M <= 1024 (64-row tiles to M = 64, 128-row
@@ -1041,7 +1041,7 @@ CUBLAS_MIN_M = int(os.environ.get("FP4PTQ_CUBLAS_MIN_M", 64))
 # (session-5 H200 sweeps, results/mma_h200_sweep*.json and kernels_h200.md: 1.2-1.9x cuBLAS at M = 16,
 # ahead of the tiled GEMM and of dequantize + cuBLAS up to M = 64). 0 turns it off.
 MMA_MAX_M = int(os.environ.get("FP4PTQ_MMA_MAX_M", 64))
-# The Gluon wgmma kernel (wgmma.py) for 65 <= M <= 128, W4A16 and W4A4 (session-6 H200 run,
+# The Gluon wgmma kernel (wgmma.py) for 65 <= M <= 128 where wsgemm does not run, W4A16 and W4A4 (session-6 H200 run,
 # results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS on six Llama-3.1 layers at M = 128, behind it
 # from M = 256). FP4PTQ_WGMMA=0 turns it off.
 WGMMA = os.environ.get("FP4PTQ_WGMMA", "1") != "0"

@@ -1,7 +1,8 @@
 """NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 64..1024
 rows on Hopper's warpgroup MMA (wgmma), with the weight decoded in registers,
 written in Gluon. sm_90 only; bf16 or fp16 activations, K % 128 == 0. The
-dispatch uses it for 65 <= M <= 128 (the rows where it was measured ahead).
+dispatch uses it for 65 <= M <= 128 where wsgemm.py's 128-row tile does not run (that one is
+1.20-1.62x faster on the measured Llama layers, results/wsgemm_small_m_h200.json).
 
 Swap-AB, as in mma.py: ``y^T = W x^T``. The decoded weight tile is wgmma's
 register A operand (64 weight rows a warpgroup), the activations the
