@@ -339,10 +339,10 @@ DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
 # At M <= 128 (session 22, results/wsgemm_small_m_h200.json, six Llama-3.1 layers, 3 interleaved rounds):
 # the 128 x 128 tile at M = 65..128 (one row tile: every weight decoded once) 1.20-1.62x faster than
 # wgmma.py (70B gate_up at M = 128 295 us against 479, 8B gate_up 85 against 131); the 64-row tile (one
-# consumer warpgroup, 128 registers, 86 KB: two CTAs an SM, so two decoders) at M = 33..64 1.02-1.44x
+# consumer warpgroup, 128 registers, 86 KB: two CTAs an SM, so two decoders) at M = 33..64 1.02-1.45x
 # faster than mma.py, whose tile is 64 rows there too (8B gate_up 53 us against 77, ahead of cuBLAS's 62).
-# BK = 128 and 8 decoder warps were 2-10% slower; the 256-row tile stays ahead from M = 129 on (192 and
-# 256 measured).
+# BK = 128 (5-30%), 8 decoder warps (2-4%) and 64-weight-row tiles (5-100%) were slower; the 256-row
+# tile stays ahead from M = 129 on (192 and 256 measured).
 SMALL_M_CONFIG = (128, 128, 64, 4, 2, 4, 128, 168)
 TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
 
@@ -451,10 +451,9 @@ def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> boo
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
     K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
     8192 where K <= 4096; 33..128 with ``config``'s small tiles, on layers of MIN_N_SMALL_M rows and
-    more), and a ``plan`` (for M's tile) that
-    either splits the last wave's tiles or fills at least 80% of the SMs with whole tiles
-    (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json, wsgemm_small_m_h200.json: ahead of or
-    level with the path it replaces on every such row)."""
+    more), and a ``plan`` (for M's tile) that either splits the last wave's tiles or fills at least 80%
+    of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json,
+    wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
