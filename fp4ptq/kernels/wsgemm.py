@@ -370,9 +370,10 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
 # small tiles (``config``) replace mma.py (33..64) and wgmma.py (65..128) on the rows the same rule
 # admits; M <= 32 stays on mma.py (its 32-row tile, not timed against these).
 MIN_M, MAX_M = 33, 1024  # 33..128: the small tiles above
-# ... on layers of 4096 rows and more, the narrowest measured there: in a whole Llama-3.1-8B-shaped model
-# at B = 64 (results/e2e_decode_h200_b64_128_after.json) the unfused q / k / v layers' kernels took 1.4%
-# more GPU time than before while the fused ones' took 17% less, so k / v (1024 rows) keep mma.py / wgmma.py
+# ... on layers of 4096 rows and more, the narrowest measured there. In a whole Llama-3.1-8B-shaped model
+# at B = 64 (results/e2e_decode_h200_b64_128_{before,after}.json) the unfused model's NVFP4 kernels took
+# 1.4% more GPU time than before, the fused model's 17% less; of the layers only the unfused model has,
+# k / v (1024 rows, never timed alone) are the likeliest to have lost, so they keep mma.py / wgmma.py
 MIN_N_SMALL_M = 4096
 MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
 # W4A4 (results/wsgemm_h200_split.json, "w4a4big"): the cuBLAS path also scales its output in a second
