@@ -75,12 +75,10 @@ def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, FIXUP=False, HAS_BIAS=False, HAS_XENC=True),
-    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, FIXUP=False, HAS_BIAS=True, HAS_XENC=False),
-    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, FIXUP=False, HAS_BIAS=True, HAS_XENC=True),
-    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=False, FIXUP=False, HAS_BIAS=True, HAS_XENC=False,
-         DT="fp16"),
-    dict(BN=64, BM=16, BK=128, WARPS=2, STAGES=3, SPLIT=True, FIXUP=True, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
+    dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=0, SPLIT=False, HAS_BIAS=True, HAS_XENC=False),
+    dict(BN=64, BM=8, BK=64, WARPS=2, STAGES=1, SPLIT=False, HAS_BIAS=True, HAS_XENC=True),
+    dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=False, HAS_BIAS=True, HAS_XENC=False, DT="fp16"),
 ])
 def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     """The shipped kernel builds for the H200's sm_90: bf16/fp16 mma.sync m16n8k16 fed from
@@ -90,8 +88,7 @@ def test_kernel_compiles_for_sm90_with_the_tensor_cores(cfg):
     dt = ce.pop("DT", "bf16")
     ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
     types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
-             "bias_ptr": f"*{dt}", "y_ptr": "*fp32" if cfg["SPLIT"] and not cfg["FIXUP"] else f"*{dt}",
-             "part_ptr": "*fp32", "count_ptr": "*i32"}
+             "bias_ptr": f"*{dt}", "y_ptr": "*fp32" if cfg["SPLIT"] else f"*{dt}"}
     k = compile_for(mma._mma_kernel, types, ce, gluon=True, num_warps=cfg["WARPS"])
     ptx = k.asm["ptx"]
     ty = "f16" if dt == "fp16" else "bf16"

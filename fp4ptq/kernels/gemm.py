@@ -1389,42 +1389,6 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     return split_run(launch, segments, y, bias_arg if has_bias else None)
 
 
-# K-split launches whose last program of a tile sums the tile (mma.finish_split) instead of a second,
-# summing launch; "0" restores the summing launch everywhere (for comparisons)
-SPLIT_FIXUP = os.environ.get("FP4PTQ_SPLIT_FIXUP", "1") != "0"
-COUNTER_CHUNK = 1 << 16
-_SHARED_COUNTERS: dict = {}  # device index -> int32 zeros shared by the plan-less (eager, one-off) launches
-_OWN_COUNTERS: dict = {}     # device index -> (int32 zeros, entries handed out): plans' own slices
-
-
-def split_counters(device: torch.device, count: int, own: bool = False) -> Optional[torch.Tensor]:
-    """``count`` int32 tile counters for a K-split launch that sums its tiles itself: zero, and left
-    zero by every such launch that completes (a tile's last program resets its counter). ``own``: a
-    slice no other launch plan uses (a plan's, so that plans of different layers may run on different
-    streams at once); otherwise the device's shared counters (one launch at a time on the device uses
-    them: the one-off eager calls). None where ``SPLIT_FIXUP`` is off, or new zeros would be needed
-    inside a CUDA graph capture (the memset would run only when the graph does): the caller then takes
-    the summing launch."""
-    if not SPLIT_FIXUP or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capturing = torch.cuda.is_current_stream_capturing()
-    if not own:
-        buf = _SHARED_COUNTERS.get(index)
-        if buf is None or buf.numel() < count:
-            if capturing:
-                return None
-            buf = _SHARED_COUNTERS[index] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        return buf[:count]
-    chunk, used = _OWN_COUNTERS.get(index, (None, 0))
-    if chunk is None or used + count > chunk.numel():
-        if capturing:
-            return None
-        chunk, used = torch.zeros(max(COUNTER_CHUNK, count), dtype=torch.int32, device=device), 0
-    _OWN_COUNTERS[index] = (chunk, used + count)
-    return chunk[used:used + count]
-
-
 def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
     """Where a split-K launch writes: fp32 partial sums ``[splits, M, N]`` when K is
     split, ``y`` itself otherwise."""
@@ -1847,8 +1811,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
         align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
-        own = dict(own_counters=True) if path == "mma" else {}
-        run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots, **own)
+        run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
     else:
         return None
     if quantize is not None:  # the GEMM reads the fresh quantized operand; x itself goes to the quantize

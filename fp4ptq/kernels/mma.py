@@ -222,43 +222,10 @@ def store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, 
 
 
 @gluon.jit
-def finish_split(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_ym,
-                 tile, pid_k, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr):
-    """The epilogue of a K-split program that sums its tile itself: its fp32 partial (scaled as
-    ``store_output``'s) into the workspace ``part_ptr`` ``[splits, M, N]``, then one increment of the
-    tile's counter (``count_ptr[tile]``, acq_rel at GPU scope, after a CTA barrier: every thread's stores
-    come first). The program that finds ``splits - 1`` there is the tile's last: it adds the partials in
-    split order (``.cg`` loads from L2), + bias, into y, rounded once (the bits of gemm.py's summing
-    launch, which this replaces), and sets the counter back to 0 for the next launch."""
-    enc = gl.load(wenc_ptr)
-    if HAS_XENC:
-        enc = enc * gl.load(xenc_ptr)
-    if x_ptr.dtype.element_ty == gl.float16:
-        y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
-    else:
-        y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
-    ok = (no < N)[:, None] & (mo < M)[None, :]
-    at = mo[None, :].to(gl.int64) * N + no[:, None]
-    plane = M.to(gl.int64) * N
-    gl.store(part_ptr + pid_k * plane + at, y, mask=ok)
-    _sync()
-    splits = gl.num_programs(1)
-    if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        total = gl.zeros_like(y)
-        for q in range(splits):
-            total += gl.load(part_ptr + q * plane + at, mask=ok, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            total += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
-        gl.store(y_ptr + mo[None, :].to(gl.int64) * stride_ym + no[:, None], total.to(y_ptr.dtype.element_ty),
-                 mask=ok)
-        gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _mma_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
-    M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT, part_ptr, count_ptr,
-    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, FIXUP: gl.constexpr, STAGES: gl.constexpr,
+    M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
+    HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
 ):
@@ -333,12 +300,8 @@ def _mma_kernel(
 
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    if FIXUP:
-        finish_split(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, stride_ym,
-                     pid_n, pid_k, HAS_BIAS, HAS_XENC)
-    else:
-        store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
-                     HAS_BIAS, HAS_XENC, SPLIT)
+    store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, stride_ym, pid_k,
+                 HAS_BIAS, HAS_XENC, SPLIT)
 
 
 MAX_M = 64
@@ -407,14 +370,10 @@ def run_once(launches_of, x2, words, sbits, enc, x_enc, bias, y, cfg=None):
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, slots=(0, 6), own_counters: bool = False):
+             cfg: Optional[tuple] = None, slots=(0, 6)):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
-    activations' global scale too in a W4A4 plan; y last). With K split, the tile's last program
-    sums the partials (``finish_split``; tile counters from ``gemm.split_counters``, the plan's own
-    with ``own_counters``), or, where no counters are available (``gemm.SPLIT_FIXUP`` off, or a
-    capture that would need new ones), gemm.py's summing launch does."""
-    from . import gemm
+    activations' global scale too in a W4A4 plan; y last)."""
     from .gemm import _sm_count, split_run, split_workspace
 
     m, k = x2.shape
@@ -431,28 +390,15 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         _LAYOUTS[key] = _layouts(bn, bm, bk, warps)
     wl, sl, xl, sc, xc = _LAYOUTS[key]
     splits = cdiv(k, k_split)
-    counters = gemm.split_counters(x2.device, cdiv(n, bn), own_counters) if splits > 1 else None
-    target = y if counters is not None else split_workspace(splits, y)
+    target = split_workspace(splits, y)
     has_bias = bias is not None
     launch = Launch(
         _mma_kernel, (cdiv(n, bn), splits),
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
-         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split, None,
-         counters if counters is not None else enc), tuple(slots) + (14,),
-        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, FIXUP=counters is not None,
-             STAGES=int(stages), BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             num_warps=warps))
-    if counters is None:
-        def run(*tensors):
-            launch(*tensors, enc)  # (no workspace: enc stands in for its pointer)
-            return tensors[-1]
-        return split_run(run, splits, y, bias)
-    part_shape = (splits, m, n)
-
-    def run_fixup(*tensors):
-        launch(*tensors, torch.empty(part_shape, dtype=torch.float32, device=enc.device))
-        return tensors[-1]
-    return run_fixup
+         m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
+        dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
+             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps))
+    return split_run(launch, splits, y, bias)
 
 
 def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
