@@ -48,7 +48,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
-def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -63,9 +63,10 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False):
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr)
+              DEC_WARPS=dw, DEC_REGS=dr, SUMMERS=summers)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
-             "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32"}
+             "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
+             "count_ptr": "*i32", "sum_ptr": "*i32"}
     return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym", "n0"),
                        num_warps=warps, maxnreg=maxnreg)
 

@@ -1811,7 +1811,8 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
         align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
-        run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots)
+        own = dict(own_counters=True) if path == "wsgemm" else {}  # (its split tiles' counters)
+        run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots, **own)
     else:
         return None
     if quantize is not None:  # the GEMM reads the fresh quantized operand; x itself goes to the quantize

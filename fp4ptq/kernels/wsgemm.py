@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import os
 from typing import Optional
 
 import torch
@@ -68,8 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ._ints import cdiv
 from ._launch import Launch
-from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, aligned_operands, decide_once,
-                  decode_line, product_check, sm90_reason, stop_using)
+from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
+                  decide_once, decode_line, product_check, sm90_reason, stop_using)
 
 # the four decoded registers (codes (p, p + 4) in register p) -> natural pairs (0, 1), (2, 3), (4, 5), (6, 7):
 # prmt 0x5410 takes both low halves, 0x7632 both high halves (first operand in the low half)
@@ -297,30 +298,80 @@ def _rings(x_desc, w_desc, s_desc, BM: gl.constexpr, BN: gl.constexpr, BK: gl.co
 
 
 @gluon.jit
-def _item(w, full_tiles, splits, k_chunk, k_steps, num_m, BM: gl.constexpr, BN: gl.constexpr):
-    """Work item ``w``: below ``full_tiles`` a whole tile; the rest (the tail that would leave SMs idle in
-    the last wave) K range ``part`` of ``splits`` of a tile (``k_chunk`` steps, whole scale groups), whose
-    fp32 partial outputs a second launch sums; split tiles are whole weight-tile columns from column
-    ``n0`` on (``plan``). The row tiles of one weight tile are consecutive items, so they run side by
-    side and its codes come from HBM once. Returns (off_m, off_n, first K step, K steps, part, split)."""
-    is_part = w >= full_tiles
-    r = gl.maximum(w - full_tiles, 0)
-    t = gl.where(is_part, full_tiles + r // splits, w)
+def _item(w, full_tiles, splits, k_chunk, k_steps, num_m, n_parts, BM: gl.constexpr, BN: gl.constexpr,
+          PARTS_FIRST: gl.constexpr):
+    """Work item ``w``: a whole tile, or K range ``part`` of ``splits`` of a split tile (the tail that
+    would leave SMs idle in the last wave; ``k_chunk`` steps, whole scale groups), whose fp32 partial
+    outputs are summed by a second launch or, with ``PARTS_FIRST``, by the programs ``summing_plan``
+    names. Split tiles are whole weight-tile columns from column ``n0`` on (``plan``), numbered from
+    ``full_tiles`` on. Items: the whole tiles, then the ``n_parts`` parts; with ``PARTS_FIRST`` the parts
+    come first, so that they are done while the whole tiles run. The row tiles of one weight tile are
+    consecutive items, so they run side by side and its codes come from HBM once. Returns (off_m, off_n,
+    first K step, K steps, part, split, tile)."""
+    if PARTS_FIRST:
+        is_part = w < n_parts
+        r = gl.where(is_part, w, 0)
+        t = gl.where(is_part, full_tiles + r // splits, w - n_parts)
+    else:
+        is_part = w >= full_tiles
+        r = gl.maximum(w - full_tiles, 0)
+        t = gl.where(is_part, full_tiles + r // splits, w)
     part = gl.where(is_part, r % splits, 0)
     k0 = part * k_chunk
     ks = gl.minimum(k_steps - k0, gl.where(is_part, k_chunk, k_steps))
-    return (t % num_m) * BM, (t // num_m) * BN, k0, ks, part, is_part
+    return (t % num_m) * BM, (t // num_m) * BN, k0, ks, part, is_part, t
+
+
+@gluon.jit
+def _sum_split_tiles(j, n_summers, full_tiles, n_split, splits, num_m, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
+                     stride_ym, n0, HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                     WARPS: gl.constexpr):
+    """A summing program's second job (``summing_plan``): split tiles ``j``, ``j + n_summers``, ... (of
+    ``n_split``, numbered from ``full_tiles``), each once its ``splits`` parts have counted themselves
+    done (an acquire poll of its counter; the parts are items before this one, so they were started
+    first and finish without waiting on anything): their fp32 partials added in part order (``.cg``
+    loads from L2), + bias, rounded once into y (the bits of gemm.py's summing launch), up to 128 rows at
+    a time (64 loads of 16 bytes in flight a thread: one L2 round trip a chunk and part); then the counter
+    is set back to 0 for the next launch."""
+    ROWS: gl.constexpr = BM if BM < 128 else 128
+    sum_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    ns = N - n0
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, sum_l))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sum_l))
+    plane = M.to(gl.int64) * ns
+    for s in range(j, n_split, n_summers):
+        t = full_tiles + s
+        off_m = (t % num_m) * BM
+        no = (t // num_m) * BN + cols
+        while gl.atomic_add(count_ptr + s, 0, sem="acquire", scope="gpu") < splits:
+            pass
+        if HAS_BIAS:
+            b = gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
+        for r0 in gl.static_range(0, BM, ROWS):
+            mo = off_m + r0 + rows
+            ok = (mo < M)[:, None] & (no < N)[None, :]
+            at = mo[:, None].to(gl.int64) * ns + (no - n0)[None, :]
+            total = gl.zeros([ROWS, BN], gl.float32, layout=sum_l)
+            for q in range(splits):
+                total += gl.load(part_ptr + q * plane + at, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += b
+            gl.store(y_ptr + mo[:, None].to(gl.int64) * stride_ym + no[None, :], total.to(y_ptr.dtype.element_ty),
+                     mask=ok)
+        gl.atomic_xchg(count_ptr + s, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
 def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, k_steps,
-               full_tiles, splits, k_chunk, n0,
+               full_tiles, splits, k_chunk, n0, n_parts, count_ptr, sum_ptr, n_summers,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr):
-    # one program an item (``_item``)
-    off_m, off_n, k0, ks, part, is_part = _item(gl.program_id(0), full_tiles, splits, k_chunk, k_steps,
-                                                gl.cdiv(M, BM), BM, BN)
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUMMERS: gl.constexpr):
+    # one program an item (``_item``); with SUMMERS the split tiles are summed in this launch
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BM)
+    off_m, off_n, k0, ks, part, is_part, t = _item(pid, full_tiles, splits, k_chunk, k_steps, num_m, n_parts,
+                                                   BM, BN, SUMMERS)
     x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
         x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
     acc = gl.warp_specialize([
@@ -330,6 +381,17 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS, HAS_XENC, BM, BN, WARPS)
+    if SUMMERS:
+        if is_part:
+            # this part's partial is stored (every thread's stores before the barrier): count it done,
+            # one thread, release at GPU scope
+            _sync()
+            gl.atomic_add(count_ptr + (t - full_tiles), 1, sem="release", scope="gpu")
+        else:
+            j = gl.load(sum_ptr + pid)
+            if j >= 0:
+                _sum_split_tiles(j, n_summers, full_tiles, (num_m * gl.cdiv(N, BN)) - full_tiles, splits, num_m,
+                                 part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, n0, HAS_BIAS, BM, BN, WARPS)
 
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
@@ -448,6 +510,86 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     return full, parts, chunk, nt0, fill
 
 
+# The split tiles summed inside the launch (``summing_plan``): "0" keeps gemm.py's summing launch (comparisons)
+SUMMERS = os.environ.get("FP4PTQ_WSGEMM_SUMMERS", "1") != "0"
+# bytes a program adds up (fp32 partials read, the output written) in the time of one K step: about 70 GB/s
+# an SM, 32-row chunks of L2 loads
+SUMMER_BYTES_A_STEP = 6e4
+
+
+@functools.lru_cache(maxsize=1024)
+def summing_plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) -> Optional[tuple]:
+    """Where ``plan`` splits tiles and also keeps whole ones, the split tiles can be summed in the same
+    launch by whole-tile programs that would otherwise leave their SM idle at the end: the parts run
+    first (item order), the whole tiles after, and the whole tiles that end earliest (in the cost
+    model's schedule: programs start in item order on the SM that is free first, each costing its steps
+    + ``PROGRAM_STEPS``) each add up a share of the split tiles once their parts are done. Llama-3.1 8B
+    qkv at M = 1024: 120 half-tile parts and 12 whole tiles start together; those 12 end half a tile
+    before the other 120 whole tiles, time for 5 split tiles each. Returns ``(n_parts, table, summers)``,
+    ``table[item]`` the summing index of a whole-tile item (``summers`` of them) or -1; None where no
+    such programs have the idle time (no split, no whole tiles, or too little time: the summing launch)."""
+    full, parts, chunk, _, _ = plan(m, n, k, sms, cfg)
+    bm, bn, bk = cfg[:3]
+    tiles, steps = cdiv(m, bm) * cdiv(n, bn), k // bk
+    n_split = tiles - full
+    if parts < 2 or full == 0 or n_split == 0:
+        return None
+    split = [chunk] * (parts - 1) + [steps - chunk * (parts - 1)]
+    costs = [c + PROGRAM_STEPS for _ in range(n_split) for c in split] + [steps + PROGRAM_STEPS] * full
+    n_parts = n_split * parts
+    heap = [(0.0, sm) for sm in range(sms)]
+    last = {}
+    for item, cost in enumerate(costs):
+        start, sm = heapq.heappop(heap)
+        heapq.heappush(heap, (start + cost, sm))
+        last[sm] = (item, start + cost)
+    span = max(end for end, _ in heap)
+    idle = sorted(((span - end, item) for item, end in last.values() if item >= n_parts), reverse=True)
+    tile_steps = bm * bn * (4 * parts + 2) / SUMMER_BYTES_A_STEP
+    for count in range(len(idle), 0, -1):
+        if idle[count - 1][0] >= cdiv(n_split, count) * tile_steps:
+            table = [-1] * len(costs)
+            for j, (_, item) in enumerate(sorted(idle[:count], key=lambda e: e[1])):
+                table[item] = j
+            return n_parts, tuple(table), count
+    return None
+
+
+_COUNTERS: dict = {}  # device index -> (int32 zeros, entries handed out)
+_SHARED: dict = {}    # device index -> int32 zeros of the plan-less (one-off) calls
+_TABLES: dict = {}    # (device index, summing plan) -> the table on the device
+
+
+def _summing_state(device: torch.device, n_split: int, table: tuple, own: bool):
+    """(counters, table on the device) for a launch that sums its split tiles, or None inside a CUDA
+    graph capture that would need new ones (zeros written only when the graph runs; the caller then takes
+    the summing launch). Counters are zero and left zero by every launch that completes (a summing
+    program resets each tile's). ``own``: a slice no other launch plan uses (a layer's plan, so plans may
+    run on different streams at once); otherwise the device's shared ones (the one-off eager calls, one
+    at a time on a device)."""
+    index = _index(device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    on_device = _TABLES.get((index, table))
+    if on_device is None:
+        if capturing:
+            return None
+        on_device = _TABLES[(index, table)] = torch.tensor(table, dtype=torch.int32, device=device)
+    if not own:
+        buf = _SHARED.get(index)
+        if buf is None or buf.numel() < n_split:
+            if capturing:
+                return None
+            buf = _SHARED[index] = torch.zeros(max(n_split, 4096), dtype=torch.int32, device=device)
+        return buf[:n_split], on_device
+    chunk, used = _COUNTERS.get(index, (None, 0))
+    if chunk is None or used + n_split > chunk.numel():
+        if capturing:
+            return None
+        chunk, used = torch.zeros(max(1 << 14, n_split), dtype=torch.int32, device=device), 0
+    _COUNTERS[index] = (chunk, used + n_split)
+    return chunk[used:used + n_split], on_device
+
+
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
     """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
     K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
@@ -507,10 +649,13 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6)):
+             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False,
+             summers: Optional[bool] = None):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
-    global scale,) and y: the weight's TMA descriptors are built once, x's for each call."""
+    global scale,) and y: the weight's TMA descriptors are built once, x's for each call. Split tiles
+    are summed in the launch where ``summing_plan`` allows (``summers``, default ``SUMMERS``; tile
+    counters of the plan's own with ``own_counters``), otherwise by a second launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -536,21 +681,31 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     from .gemm import _sm_count, split_finish
 
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    full, splits, chunk, nt0, _ = plan(m, n, k, _sm_count(x2.device), cfg) if split else (tiles, 1, k // bk, 0, 1.0)
+    sms = _sm_count(x2.device)
+    full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
-    # the split tiles' fp32 partial sums [splits, M, N - n0], then their ordered sum into y[:, n0:]
+    summing = summing_plan(m, n, k, sms, cfg) if splits > 1 and (SUMMERS if summers is None else summers) else None
+    state = _summing_state(x2.device, tiles - full, summing[1], own_counters) if summing else None
+    if state is None:
+        summing = None
+    n_parts, _, n_summers = summing if summing else (0, None, 1)
+    counters, table = state if state else (enc, enc)
+    # the split tiles' fp32 partial sums [splits, M, N - n0], summed in order into y[:, n0:] in the launch
+    # (``summing``) or by a second one
     part_shape = (splits, m, n - n0)
     launch = Launch(
         _ws_kernel, (full + (tiles - full) * splits,),
         (None, w_desc, s_desc, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, y,
-         None, m, n, y.stride(0), k // bk, full, splits, chunk, n0), tuple(slots) + (7,),
+         None, m, n, y.stride(0), k // bk, full, splits, chunk, n0, n_parts, counters, table, n_summers),
+        tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
-             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, num_warps=warps, maxnreg=maxnreg))
-    finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 else None
+             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUMMERS=summing is not None, num_warps=warps,
+             maxnreg=maxnreg))
+    finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
     def run(x2, *tensors):
         y = tensors[-1]
-        part = torch.empty(part_shape, dtype=torch.float32, device=y.device) if finish else enc
+        part = torch.empty(part_shape, dtype=torch.float32, device=y.device) if splits > 1 else enc
         launch(TensorDescriptor.from_tensor(x2, [bm, bk], x_layout), *tensors, part)
         if finish:
             finish(part, y[:, n0:])
@@ -584,5 +739,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["SUMMERS", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
