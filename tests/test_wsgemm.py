@@ -63,7 +63,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr, SUMMERS=summers)
+              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
              "count_ptr": "*i32", "sum_ptr": "*i32"}

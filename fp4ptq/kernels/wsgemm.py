@@ -323,15 +323,16 @@ def _item(w, full_tiles, splits, k_chunk, k_steps, num_m, n_parts, BM: gl.conste
 
 
 @gluon.jit
-def _sum_split_tiles(j, n_summers, full_tiles, n_split, splits, num_m, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
-                     stride_ym, n0, HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     WARPS: gl.constexpr):
+def _sum_split_tiles(j, n_summers, full_tiles, n_split, num_m, part_ptr, count_ptr, bias_ptr, y_ptr, M, N,
+                     stride_ym, n0, SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, BM: gl.constexpr,
+                     BN: gl.constexpr, WARPS: gl.constexpr):
     """A summing program's second job (``summing_plan``): split tiles ``j``, ``j + n_summers``, ... (of
-    ``n_split``, numbered from ``full_tiles``), each once its ``splits`` parts have counted themselves
+    ``n_split``, numbered from ``full_tiles``), each once its ``SPLITS`` parts have counted themselves
     done (an acquire poll of its counter; the parts are items before this one, so they were started
     first and finish without waiting on anything): their fp32 partials added in part order (``.cg``
     loads from L2), + bias, rounded once into y (the bits of gemm.py's summing launch), up to 128 rows at
-    a time (64 loads of 16 bytes in flight a thread: one L2 round trip a chunk and part); then the counter
+    a time (every part's loads of a chunk issued together: 16 loads of 16 bytes a part and thread, one L2
+    round trip a chunk); then the counter
     is set back to 0 for the next launch."""
     ROWS: gl.constexpr = BM if BM < 128 else 128
     sum_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -343,7 +344,7 @@ def _sum_split_tiles(j, n_summers, full_tiles, n_split, splits, num_m, part_ptr,
         t = full_tiles + s
         off_m = (t % num_m) * BM
         no = (t // num_m) * BN + cols
-        while gl.atomic_add(count_ptr + s, 0, sem="acquire", scope="gpu") < splits:
+        while gl.atomic_add(count_ptr + s, 0, sem="acquire", scope="gpu") < SPLITS:
             pass
         if HAS_BIAS:
             b = gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[None, :]
@@ -352,7 +353,7 @@ def _sum_split_tiles(j, n_summers, full_tiles, n_split, splits, num_m, part_ptr,
             ok = (mo < M)[:, None] & (no < N)[None, :]
             at = mo[:, None].to(gl.int64) * ns + (no - n0)[None, :]
             total = gl.zeros([ROWS, BN], gl.float32, layout=sum_l)
-            for q in range(splits):
+            for q in gl.static_range(SPLITS):
                 total += gl.load(part_ptr + q * plane + at, mask=ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += b
@@ -366,12 +367,13 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                full_tiles, splits, k_chunk, n0, n_parts, count_ptr, sum_ptr, n_summers,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUMMERS: gl.constexpr):
-    # one program an item (``_item``); with SUMMERS the split tiles are summed in this launch
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr):
+    # one program an item (``_item``); with SUM_SPLITS (the split count; 0: a second launch sums) the split
+    # tiles are summed in this launch
     pid = gl.program_id(0)
     num_m = gl.cdiv(M, BM)
     off_m, off_n, k0, ks, part, is_part, t = _item(pid, full_tiles, splits, k_chunk, k_steps, num_m, n_parts,
-                                                   BM, BN, SUMMERS)
+                                                   BM, BN, SUM_SPLITS > 0)
     x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
         x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
     acc = gl.warp_specialize([
@@ -381,7 +383,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS, HAS_XENC, BM, BN, WARPS)
-    if SUMMERS:
+    if SUM_SPLITS > 0:
         if is_part:
             # this part's partial is stored (every thread's stores before the barrier): count it done,
             # one thread, release at GPU scope
@@ -390,8 +392,9 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
         else:
             j = gl.load(sum_ptr + pid)
             if j >= 0:
-                _sum_split_tiles(j, n_summers, full_tiles, (num_m * gl.cdiv(N, BN)) - full_tiles, splits, num_m,
-                                 part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, n0, HAS_BIAS, BM, BN, WARPS)
+                _sum_split_tiles(j, n_summers, full_tiles, (num_m * gl.cdiv(N, BN)) - full_tiles, num_m,
+                                 part_ptr, count_ptr, bias_ptr, y_ptr, M, N, stride_ym, n0, SUM_SPLITS, HAS_BIAS, BM,
+                                 BN, WARPS)
 
 
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
@@ -699,8 +702,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
          None, m, n, y.stride(0), k // bk, full, splits, chunk, n0, n_parts, counters, table, n_summers),
         tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
-             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUMMERS=summing is not None, num_warps=warps,
-             maxnreg=maxnreg))
+             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0,
+             num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
     def run(x2, *tensors):
