@@ -102,6 +102,19 @@ def test_kernel_compiles_for_sm90_warp_specialized(cfg, dt, bias, xenc):
     assert bias or len(loads) <= 1 + int(xenc)
 
 
+def test_kernel_compiles_with_the_split_tiles_summed_in_the_launch():
+    """The summing build: each part counts itself done after a barrier of the consumer partition with one
+    release add at GPU scope; a summing program polls with acquire loads, reads the partials from L2
+    (``.cg``) 16 bytes at a time, resets the counter; no local memory."""
+    compiled = _compile(ws.DEFAULT_CONFIG, "bf16", True, False, summers=True)
+    ptx = compiled.asm["ptx"]
+    assert "red.global.gpu.release.add" in ptx and re.search(r"bar\.sync\s+0, 256;", ptx)
+    assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.relaxed.exch" in ptx
+    assert "ld.global.cg.v4" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+
+
 def test_shape_rule_follows_the_measured_rows():
     """results/wsgemm_h200_rule.json and wsgemm_h200_split.json: ahead of (or level with) dequantize +
     cuBLAS where whole tiles fill 80% of the SMs or the plan splits the last wave, from M = 129 to 1024;
@@ -137,17 +150,25 @@ def test_shape_rule_follows_the_measured_rows():
     assert ws.plan(1024, 4096, 4096, sms=128)[:2] == (128, 1) and ws.plan(1024, 4096, 4096, sms=128)[4] == 1.0
 
 
-def _programs(m, n, k, sms):
-    """The kernel's program -> (tile, first K step, steps) map, as ``_ws_kernel`` computes it."""
+def _programs(m, n, k, sms, parts_first=False):
+    """The kernel's program -> (tile, first K step, steps) map, as ``_ws_kernel``'s ``_item`` computes
+    it: whole tiles then split parts, or (``parts_first``, where ``summing_plan`` sums in the launch)
+    the parts first."""
     cfg = ws.config(m, n, k, sms)
     full, splits, chunk, nt0, _ = ws.plan(m, n, k, sms, cfg)
     bm, bn, bk = cfg[:3]
     tiles, steps = -(-m // bm) * -(-n // bn), k // bk
+    n_parts = (tiles - full) * splits if splits > 1 else 0
     out = []
     for pid in range(full + (tiles - full) * splits):
-        t, part = (pid, 0) if pid < full else (full + (pid - full) // splits, (pid - full) % splits)
+        if parts_first:
+            is_part = pid < n_parts
+            t, part = (full + pid // splits, pid % splits) if is_part else (pid - n_parts, 0)
+        else:
+            is_part = pid >= full
+            t, part = (pid, 0) if not is_part else (full + (pid - full) // splits, (pid - full) % splits)
         k0 = part * chunk
-        out.append((t, k0, min(steps - k0, chunk if pid >= full else steps)))
+        out.append((t, k0, min(steps - k0, chunk if is_part else steps)))
     return out, (full, splits, chunk, nt0), tiles, steps
 
 
@@ -156,11 +177,12 @@ def _programs(m, n, k, sms):
                                        (4100, 6144, 4096, 132), (1024, 6144, 4096, 114), (700, 3000, 5120, 78),
                                        (128, 6144, 4096, 132), (100, 57344, 8192, 132), (64, 4096, 14336, 132),
                                        (40, 28672, 4096, 132), (33, 1000, 2048, 78)])
-def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms):
+@pytest.mark.parametrize("parts_first", [False, True])
+def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms, parts_first):
     """Every (tile, K step) is computed by exactly one program; split K ranges are whole scale groups
     (256 K) of at least MIN_PART_STEPS steps; the split tiles are whole weight-tile columns from nt0 on
     (the partial-sum workspace is [splits, M, N - nt0 * BN]), placed after the whole tiles."""
-    progs, (full, splits, chunk, nt0), tiles, steps = _programs(m, n, k, sms)
+    progs, (full, splits, chunk, nt0), tiles, steps = _programs(m, n, k, sms, parts_first)
     num_m = -(-m // ws.config(m, n, k, sms)[0])
     covered = {}
     for t, k0, ks in progs:
@@ -172,7 +194,54 @@ def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms):
     assert full == nt0 * num_m or splits == 1
     if splits > 1:
         assert chunk % 4 == 0 and chunk >= ws.MIN_PART_STEPS and -(-steps // chunk) == splits
-        assert all(t >= full for t, k0, ks in progs[full:]) and all(ks == steps for _, _, ks in progs[:full])
+        whole, parts = (progs[-full:], progs[:-full]) if parts_first and full else (progs[:full], progs[full:])
+        assert all(t >= full for t, k0, ks in parts) and all(ks == steps and t < full for t, _, ks in whole)
+
+
+def test_summing_plan_names_the_whole_tiles_that_end_early():
+    """8B qkv at M = 1024: 120 half-tile parts first, then 132 whole tiles; the 12 that start with the
+    parts end half a tile early and sum the 60 split tiles (5 each). M = 768: 48 quarter-tile parts,
+    84 whole tiles start with them (one split tile each). No summing in the launch where every tile is
+    split, nothing is split, or the idle time does not cover the reads (the summing launch then)."""
+    n_parts, table, summers = ws.summing_plan(1024, 6144, 4096)
+    assert (n_parts, summers) == (120, 12) and len(table) == 252
+    assert [i for i, j in enumerate(table) if j >= 0] == list(range(120, 132))
+    assert sorted(j for j in table if j >= 0) == list(range(12))
+    n_parts, table, summers = ws.summing_plan(768, 6144, 4096)
+    assert (n_parts, summers) == (48, 84) and min(i for i, j in enumerate(table) if j >= 0) >= n_parts
+    assert ws.summing_plan(256, 4096, 14336) is None  # 32 tiles, all split 4 ways
+    assert ws.summing_plan(1024, 28672, 4096) is None  # whole waves
+    ws.summing_plan.cache_clear()
+    try:
+        ws.SUMMER_BYTES_A_STEP, saved = 1e3, ws.SUMMER_BYTES_A_STEP  # summing would take longer than the idle
+        assert ws.summing_plan(1024, 6144, 4096) is None
+    finally:
+        ws.SUMMER_BYTES_A_STEP = saved
+        ws.summing_plan.cache_clear()
+
+
+def test_summing_counters_are_zero_once_and_never_new_inside_a_capture(monkeypatch):
+    """A launch plan gets counters no other plan has; one-off calls share the device's; the table of
+    summing programs is copied once. Inside a CUDA graph capture nothing new is made (its zeros would be
+    written only when the graph runs): the caller takes the summing launch instead."""
+    dev = torch.device("cpu")
+    table = (-1, 0, 1)
+    monkeypatch.setattr(ws, "_COUNTERS", {})
+    monkeypatch.setattr(ws, "_SHARED", {})
+    monkeypatch.setattr(ws, "_TABLES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a, ta = ws._summing_state(dev, 60, table, own=True)
+    b, tb = ws._summing_state(dev, 60, table, own=True)
+    assert a.shape == b.shape == (60,) and int(a.abs().sum()) == int(b.abs().sum()) == 0
+    assert a.data_ptr() + 60 * 4 <= b.data_ptr() and ta is tb and ta.tolist() == list(table)
+    c, _ = ws._summing_state(dev, 60, table, own=False)
+    d, _ = ws._summing_state(dev, 40, table, own=False)
+    assert c.data_ptr() == d.data_ptr() and c.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ws._summing_state(dev, 60, (0, -1), own=False) is None  # a new table
+    assert ws._summing_state(dev, 10 ** 5, table, own=False) is None  # more shared counters
+    assert ws._summing_state(dev, 1 << 14, table, own=True) is None  # a new slice of counters
+    assert ws._summing_state(dev, 60, table, own=False)[0].data_ptr() == c.data_ptr()  # what exists
 
 
 def test_plan_splits_only_where_the_model_saves_time():

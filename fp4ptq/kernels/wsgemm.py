@@ -27,9 +27,12 @@ side by side, joined by mbarrier rings:
 
 Where the last wave of tiles would leave SMs idle (Llama-3.1 8B qkv at
 M = 1024: 192 tiles on 132 SMs), ``plan`` cuts the tail's tiles into 2-4 K
-ranges run by programs of their own, which write fp32 partial sums; a second
-launch adds them in order (a cost model of the SMs' time picks the cut; it
-predicted 8B qkv's 109 -> 96 us within 1%).
+ranges run by programs of their own, which write fp32 partial sums, added in
+order (a cost model of the SMs' time picks the cut; it predicted 8B qkv's
+109 -> 96 us within 1%). Where whole tiles remain too, the parts run first and
+the whole-tile programs that end early add them up in the same launch
+(``summing_plan``: per-tile counters, release / acquire at GPU scope);
+otherwise a second launch does.
 
 Three things the H200 runs showed (NOTES, ninth pass): the decoder must not
 refill the ring slot the consumers free last (it would wait for each MMA
