@@ -196,19 +196,25 @@ def test_plan_covers_every_tile_and_k_step_once(m, n, k, sms, parts_first):
         assert chunk % 4 == 0 and chunk >= ws.MIN_PART_STEPS and -(-steps // chunk) == splits
         whole, parts = (progs[-full:], progs[:-full]) if parts_first and full else (progs[:full], progs[full:])
         assert all(t >= full for t, k0, ks in parts) and all(ks == steps and t < full for t, _, ks in whole)
+    summing = ws.summing_plan(m, n, k, sms, ws.config(m, n, k, sms))
+    if summing is not None:  # every summing program a whole tile after all parts, each index once
+        n_parts, table, summers = summing
+        assert splits > 1 and full > 0 and n_parts == (tiles - full) * splits and len(table) == len(progs)
+        assert sorted(j for j in table if j >= 0) == list(range(summers)) and summers <= tiles - full
+        assert all(i >= n_parts for i, j in enumerate(table) if j >= 0)
 
 
 def test_summing_plan_names_the_whole_tiles_that_end_early():
     """8B qkv at M = 1024: 120 half-tile parts first, then 132 whole tiles; the 12 that start with the
     parts end half a tile early and sum the 60 split tiles (5 each). M = 768: 48 quarter-tile parts,
-    84 whole tiles start with them (one split tile each). No summing in the launch where every tile is
+    84 whole tiles start with them, 12 of which sum the 12 split tiles (no more programs than tiles). No summing in the launch where every tile is
     split, nothing is split, or the idle time does not cover the reads (the summing launch then)."""
     n_parts, table, summers = ws.summing_plan(1024, 6144, 4096)
     assert (n_parts, summers) == (120, 12) and len(table) == 252
     assert [i for i, j in enumerate(table) if j >= 0] == list(range(120, 132))
     assert sorted(j for j in table if j >= 0) == list(range(12))
     n_parts, table, summers = ws.summing_plan(768, 6144, 4096)
-    assert (n_parts, summers) == (48, 84) and min(i for i, j in enumerate(table) if j >= 0) >= n_parts
+    assert (n_parts, summers) == (48, 12) and min(i for i, j in enumerate(table) if j >= 0) >= n_parts
     assert ws.summing_plan(256, 4096, 14336) is None  # 32 tiles, all split 4 ways
     assert ws.summing_plan(1024, 28672, 4096) is None  # whole waves
     ws.summing_plan.cache_clear()

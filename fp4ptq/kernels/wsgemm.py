@@ -553,7 +553,7 @@ def summing_plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CO
     span = max(end for end, _ in heap)
     idle = sorted(((span - end, item) for item, end in last.values() if item >= n_parts), reverse=True)
     tile_steps = bm * bn * (4 * parts + 2) / SUMMER_BYTES_A_STEP
-    for count in range(len(idle), 0, -1):
+    for count in range(min(len(idle), n_split), 0, -1):  # (more programs than split tiles would idle)
         if idle[count - 1][0] >= cdiv(n_split, count) * tile_steps:
             table = [-1] * len(costs)
             for j, (_, item) in enumerate(sorted(idle[:count], key=lambda e: e[1])):
