@@ -49,8 +49,9 @@ kernels' up to the order of the fp32 sums.
 Measured (table run 10, results/kernels_h200.md): 0.88-0.90x cuBLAS bf16 at
 M = 1024 on five Llama-3.1 layers, W4A4 1.08-1.29x cuBLAS's time; with the
 split tail 8B qkv 0.85x and, at M = 129..512, 1.07-1.64x dequantize + cuBLAS
-(results/wsgemm_h200_split.json); the split tiles summed in the launch: 8B qkv at M = 1024 94.1 -> 91.2 us
-(0.87x cuBLAS in table run 23), 70B gate_up at M = 256 415 -> 408 (results/wsgemm_summers_h200.json). Smaller tiles below M = 129 (``config``: 128 activation rows at
+(results/wsgemm_h200_split.json); the split tiles summed in the launch: 8B qkv at M = 1024
+94.1 -> 91.2 us (0.87x cuBLAS in table run 23), 70B gate_up at M = 256 415 -> 408
+(results/wsgemm_summers_h200.json). Smaller tiles below M = 129 (``config``: 128 activation rows at
 M = 65..128, 64 rows on one consumer warpgroup at 33..64, two CTAs an SM) beat wgmma.py by 1.20-1.62x and
 mma.py by 1.02-1.45x there (results/wsgemm_small_m_h200.json). The dispatch
 uses it only where ``preferred`` (its measured rows) and after ``ready(device)``
@@ -336,8 +337,7 @@ def _sum_split_tiles(j, n_summers, full_tiles, n_split, num_m, part_ptr, count_p
     first and finish without waiting on anything): their fp32 partials added in part order (``.cg``
     loads from L2), + bias, rounded once into y (the bits of gemm.py's summing launch), up to 128 rows at
     a time (every part's loads of a chunk issued together: 16 loads of 16 bytes a part and thread, one L2
-    round trip a chunk); then the counter
-    is set back to 0 for the next launch."""
+    round trip a chunk); then the counter is set back to 0 for the next launch."""
     ROWS: gl.constexpr = BM if BM < 128 else 128
     sum_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     ns = N - n0
