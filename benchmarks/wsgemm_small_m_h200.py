@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import peers_h200 as peers
+from _rounds import interleaved, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import wsgemm
@@ -63,9 +63,6 @@ def save():
         json.dump(res, f, indent=1)
 
 
-def rel(y, ref):
-    return float((y.float() - ref.float()).norm() / ref.float().norm())
-
 
 def with_config(cfg, fn):
     """Run ``fn`` with the dispatch's wsgemm tile set to ``cfg``."""
@@ -80,16 +77,6 @@ def with_config(cfg, fn):
 def ws_call(x, wq, cfg, b=None):
     return lambda: with_config(cfg, lambda: gm.linear_w4a16(x, wq, b, path="wsgemm"))
 
-
-def interleaved(fns: dict) -> dict:
-    times = {}
-    for _ in range(ROUNDS):
-        for label, fn in fns.items():
-            try:
-                times.setdefault(label, []).append(peers.bench(fn) * 1e3)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                times[label] = repr(exc)[:300]
-    return {a: (statistics.median(b) if isinstance(b, list) else b) for a, b in times.items()}
 
 
 res["ready"] = wsgemm.ready(dev)
@@ -150,7 +137,7 @@ for name in (SMALL if "small" in PHASES else []):
                 fns["ws_" + label] = ws_call(x, wq, cfg)
         row = {"shape": name, "m": m, "dispatch_path": gm._auto_path(m, torch.bfloat16, False, k, dev, n),
                "plans": {lb: wsgemm.plan(m, n, k, 132, c) for lb, c in SMALL_VARIANTS.items()},
-               "median_us": interleaved(fns)}
+               "median_us": interleaved(fns, ROUNDS)}
         t = row["median_us"]
         best = min((v, lb) for lb, v in t.items() if lb.startswith("ws_") and isinstance(v, float))
         row["best_ws"] = best[1]
@@ -172,7 +159,7 @@ for name in (SMALL if "fp16" in PHASES else []):  # the shipped rule with fp16 a
         row = {"shape": name, "m": m, "dtype": "fp16", "dispatch_path": gm._auto_path(m, x.dtype, False, k, dev, n),
                "rel_ref": rel(gm.linear_w4a16(x, wq), x.float() @ wq.dequantize(torch.float32).T)}
         row["median_us"] = interleaved({"cublas_fp16": lambda: x @ w16.t(), "dispatch": lambda: gm.linear_w4a16(x, wq),
-                                        old: lambda: gm.linear_w4a16(x, wq, path=old)})
+                                        old: lambda: gm.linear_w4a16(x, wq, path=old)}, ROUNDS)
         res.setdefault("fp16", []).append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -194,7 +181,7 @@ for name in (("8B.qkv", "8B.o", "8B.gate_up", "70B.down") if "big" in PHASES els
     fns = {"cublas_bf16": lambda: x @ w.t()}
     fns.update({label: ws_call(x, wq, cfg) for label, cfg in BIG_VARIANTS.items()
                 if isinstance(row["errors"][label], float) and row["errors"][label] < 1e-5})
-    row["median_us"] = interleaved(fns)
+    row["median_us"] = interleaved(fns, ROUNDS)
     res["big"].append(row)
     print(json.dumps(row), flush=True)
     save()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import peers_h200 as peers
+from _rounds import interleaved, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import wsgemm
@@ -36,9 +36,6 @@ def save():
         json.dump(res, f, indent=1)
 
 
-def rel(y, ref):
-    return float((y.float() - ref.float()).norm() / ref.float().norm())
-
 
 def summers(on: bool, fn):
     shipped = wsgemm.SUMMERS
@@ -48,16 +45,6 @@ def summers(on: bool, fn):
     finally:
         wsgemm.SUMMERS = shipped
 
-
-def interleaved(fns: dict) -> dict:
-    times = {}
-    for _ in range(ROUNDS):
-        for label, fn in fns.items():
-            try:
-                times.setdefault(label, []).append(peers.bench(fn) * 1e3)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                times[label] = repr(exc)[:300]
-    return {a: (statistics.median(b) if isinstance(b, list) else b) for a, b in times.items()}
 
 
 def plan_of(m, n, k):
@@ -123,7 +110,7 @@ for name, m, n, k, w4a4 in (TIMED if "time" in PHASES else []):
         call = lambda: gm.linear_w4a16(x, w, path="wsgemm")  # noqa: E731
     row = {"layer": name, "m": m, "n": n, "k": k, "w4a4": w4a4, **plan_of(m, n, k)}
     row.update(interleaved({"summing_launch": lambda: summers(False, call), "in_launch": lambda: summers(True, call),
-                            "cublas_bf16": lambda: x @ wb.T}))
+                            "cublas_bf16": lambda: x @ wb.T}, ROUNDS))
     res["time"].append(row)
     print(row, f"{time.time() - T0:.0f}s", flush=True)
     save()
