@@ -520,7 +520,7 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
 # The split tiles summed inside the launch (``summing_plan``): "0" keeps gemm.py's summing launch (comparisons)
 SUMMERS = os.environ.get("FP4PTQ_WSGEMM_SUMMERS", "1") != "0"
 # bytes a program adds up (fp32 partials read, the output written) in the time of one K step: about 70 GB/s
-# an SM, 32-row chunks of L2 loads
+# an SM (a guess on the safe side; 8B qkv at M = 1024 left 36 K steps for 5 tiles, and the sums hid in them)
 SUMMER_BYTES_A_STEP = 6e4
 
 
@@ -656,13 +656,12 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False,
-             summers: Optional[bool] = None):
+             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
     global scale,) and y: the weight's TMA descriptors are built once, x's for each call. Split tiles
-    are summed in the launch where ``summing_plan`` allows (``summers``, default ``SUMMERS``; tile
-    counters of the plan's own with ``own_counters``), otherwise by a second launch."""
+    are summed in the launch where ``summing_plan`` allows and ``SUMMERS`` is on (tile counters of the
+    plan's own with ``own_counters``), otherwise by a second launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -691,7 +690,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     sms = _sm_count(x2.device)
     full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
-    summing = summing_plan(m, n, k, sms, cfg) if splits > 1 and (SUMMERS if summers is None else summers) else None
+    summing = summing_plan(m, n, k, sms, cfg) if splits > 1 and SUMMERS else None
     state = _summing_state(x2.device, tiles - full, summing[1], own_counters) if summing else None
     if state is None:
         summing = None
