@@ -77,6 +77,12 @@ from ._ints import cdiv, next_pow2
 from ._launch import Launch, cuda_sm_count, current_device
 from .quantize_kernel import global_enc_from_amax, quantize_halves, signed_scaled
 
+try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: the summing pass launches plainly (split_pdl)
+    _gdc_launch_dependents = _gdc_wait = None
+
 SIGN_MASK = tl.constexpr(-2147450880)  # 0x80008000 as int32
 FP16_MAG = tl.constexpr(0x0E000E00)    # fp16 exponent/mantissa bits 9..11 of both halves
 BF16_MAG = tl.constexpr(0x01C001C0)    # bf16 bits 6..8 of both halves
@@ -673,6 +679,7 @@ def _gemv_resident_kernel(
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False, KB_C: tl.constexpr = 0, F16: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -693,6 +700,9 @@ def _gemv_resident_kernel(
     # while the previous tile is decoded (the H200 sweep: large layers only).
     # F16 (fp16 x, not QUANT_X): fp16x2 products on each block's x scaled by
     # 2^e (``_x_pairs_f16``), the block sums multiplied back by 2^-e.
+    # TRIGGER (SPLIT on sm_90): the summing pass, a programmatic dependent, may launch now (split_pdl).
+    if TRIGGER:
+        _gdc_launch_dependents()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row = tl.program_id(1).to(tl.int64)
@@ -882,14 +892,19 @@ def _tile_rows(t, ROWS: tl.constexpr, ar, N):
 
 
 @triton.jit
-def _gemv_split_finish(part_ptr, bias_ptr, y_ptr, M, N, SEGMENTS, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """``y[m, n] = sum_s part[s, m, n] (+ bias)`` in fp32, in segment order, cast to y's dtype."""
+def _gemv_split_finish(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``y[m, n] = sum_s part[s, m, n] (+ bias)`` in fp32, in segment order, cast to y's dtype. The
+    segments are unrolled, so every partial's load is in flight at once (the adds keep their order).
+    ``PDL``: launched as a programmatic dependent of the split kernel, so it may be resident before
+    that kernel ends; ``griddepcontrol.wait`` holds it until the partials are written and visible."""
+    if PDL:
+        _gdc_wait()
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SEGMENTS):
+    for s in tl.static_range(SEGMENTS):
         acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
@@ -1380,13 +1395,45 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   EVEN_K=kbp * segments == k // 16, ALIGNED=k % 256 == 0, EMULATE=INTERPRET, QUANT_X=quant,
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k),
-                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), F16=x2.dtype == torch.float16 and not quant)
+                  KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), F16=x2.dtype == torch.float16 and not quant,
+                  TRIGGER=split and split_trigger(x2.device))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
     grid = (max(1, min(tiles, cdiv(programs, segments))), m, segments)
     launch = Launch(_gemv_resident_kernel, grid, args, slots, kwargs)
     return split_run(launch, segments, y, bias_arg if has_bias else None)
+
+
+# The summing pass of a K split launches as a programmatic dependent of the split kernel (sm_90 on):
+# it may be scheduled while that kernel runs and waits in ``griddepcontrol.wait`` for its partials.
+# The split kernels signal ``griddepcontrol.launch_dependents`` when they start (SPLIT_TRIGGER), so the
+# pass is resident before they end. Only the summing pass is a dependent: every other launch keeps
+# the plain stream order (session 7 measured PDL on the GEMVs themselves and removed it).
+SPLIT_PDL = os.environ.get("FP4PTQ_SPLIT_PDL", "1") == "1"
+SPLIT_TRIGGER = os.environ.get("FP4PTQ_SPLIT_TRIGGER", "1") == "1"
+
+
+def split_pdl(device: torch.device) -> bool:
+    """Whether a summing pass on ``device`` launches as a programmatic dependent (``FP4PTQ_SPLIT_PDL``,
+    an NVIDIA GPU of sm_90 or later, a Triton with griddepcontrol; never under the interpreter)."""
+    if not SPLIT_PDL or INTERPRET or _gdc_wait is None or device.type != "cuda" or torch.version.hip:
+        return False
+    return _capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple:
+    return _capability_of(device.index if device.index is not None else current_device())
+
+
+def split_trigger(device: torch.device) -> bool:
+    """Whether a split kernel signals its summing pass as it starts (``FP4PTQ_SPLIT_TRIGGER``)."""
+    return SPLIT_TRIGGER and split_pdl(device)
 
 
 def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
@@ -1401,8 +1448,10 @@ def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
     ``split_workspace``'s partial sums in split order (+ bias)``."""
     m, n = y.shape
     block = 1024
-    launch = Launch(_gemv_split_finish, (cdiv(n, block), m), (None, bias, None, m, n, splits, y.stride(0)),
-                    (0, 1, 2) if bias is None else (0, 2), dict(HAS_BIAS=bias is not None, BLOCK=block, num_warps=4))
+    pdl = split_pdl(y.device)
+    launch = Launch(_gemv_split_finish, (cdiv(n, block), m), (None, bias, None, m, n, y.stride(0)),
+                    (0, 1, 2) if bias is None else (0, 2),
+                    dict(SEGMENTS=splits, HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4))
     if bias is not None:
         return launch
 

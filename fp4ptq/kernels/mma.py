@@ -155,6 +155,13 @@ else:  # pragma: no cover - the H200's Triton 3.6
 
 
 @gluon.jit
+def _launch_dependents():
+    """griddepcontrol.launch_dependents: the kernel launched after this one as a programmatic
+    dependent (gemm.split_pdl: the summing pass) may start once every program got here."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
+
+
+@gluon.jit
 def _spread8(v):
     """``[..]`` -> ``[.., 2, 2, 2]``: eight register copies (one per code of a word)."""
     v = gl.join(v, v)
@@ -228,7 +235,10 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
+    TRIGGER: gl.constexpr = False,
 ):
+    if TRIGGER:  # K split on sm_90: the summing pass (a programmatic dependent) may launch now
+        _launch_dependents()
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
     KW = KW8 * 8  # words a row (K / 8)
@@ -374,7 +384,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
     activations' global scale too in a W4A4 plan; y last)."""
-    from .gemm import _sm_count, split_run, split_workspace
+    from .gemm import _sm_count, split_run, split_trigger, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -397,7 +407,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
-             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc, num_warps=warps))
+             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
+             TRIGGER=splits > 1 and split_trigger(x2.device), num_warps=warps))
     return split_run(launch, splits, y, bias)
 
 
