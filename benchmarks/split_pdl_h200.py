@@ -3,8 +3,10 @@
 Variants, each against the one before it:
   loop         the summing pass as before this change: one partial loaded a loop step, plain launch
   unrolled     every partial's load in flight at once (the adds in the same order), plain launch
-  pdl          + launched as a programmatic dependent (griddepcontrol.wait), the split kernel unchanged
-  pdl_trigger  + the split kernel signals griddepcontrol.launch_dependents as it starts (shipped)
+  pdl_trigger  + launched as a programmatic dependent (griddepcontrol.wait) of the split kernel, which
+               signals griddepcontrol.launch_dependents as it starts (mma.py, gemv6; shipped)
+The committed results (results/split_pdl_h200.json, run at afca904) also have a "pdl" column: the
+dependent launch without the signal, which gained nothing and is no longer built.
 
 Correctness first: every variant's output bit-equal to ``loop`` on every timed row, and a graph-replayed
 chain of dependent calls (each call's input the previous call's output) bit-equal to the eager chain.
@@ -57,18 +59,17 @@ def _finish_loop(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SEGMENTS: tl.conste
     tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-SHIPPED = (gm._gemv_split_finish, gm.SPLIT_PDL, gm.SPLIT_TRIGGER)
-VARIANTS = {"loop": (_finish_loop, False, False), "unrolled": (gm._gemv_split_finish, False, False),
-            "pdl": (gm._gemv_split_finish, True, False), "pdl_trigger": (gm._gemv_split_finish, True, True)}
+SHIPPED = (gm._gemv_split_finish, gm.SPLIT_PDL)
+VARIANTS = {"loop": (_finish_loop, False), "unrolled": (gm._gemv_split_finish, False),
+            "pdl_trigger": (gm._gemv_split_finish, True)}
 
 
 def variant(name, fn):
-    kernel, pdl, trigger = VARIANTS[name]
-    gm._gemv_split_finish, gm.SPLIT_PDL, gm.SPLIT_TRIGGER = kernel, pdl, trigger
+    gm._gemv_split_finish, gm.SPLIT_PDL = VARIANTS[name]
     try:
         return fn()
     finally:
-        gm._gemv_split_finish, gm.SPLIT_PDL, gm.SPLIT_TRIGGER = SHIPPED
+        gm._gemv_split_finish, gm.SPLIT_PDL = SHIPPED
 
 
 g = torch.Generator(device=dev).manual_seed(0)
@@ -118,19 +119,20 @@ if "checks" in PHASES:
         row["rel_ref"] = rel(base, ref) if not bias else None
         res["checks"].append(row)
         print(row, flush=True)
-    # a chain of dependent calls in a replayed graph: x_{i+1} = y_i (8B.o, square), K split at M = 16 and 2
-    for m, path in ((16, None), (2, "mma"), (64, None)):
-        w, _ = weight(4096, 4096)
-        x0 = torch.randn(m, 4096, device=dev, generator=g).to(torch.bfloat16)
+    # a chain of dependent calls in a replayed graph: x_{i+1} = y_i on square layers whose K is split
+    # (8B.o through mma.py / wsgemm, Phi-3-mini o through gemv6)
+    for m, path, n in ((16, None, 4096), (2, "mma", 4096), (64, None, 4096), (1, "gemv6", 3072)):
+        w, _ = weight(n, n)
+        x0 = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
 
-        def chain(x0=x0, path=path):
+        def chain(x0=x0, path=path, w=w):
             x = x0
             for _ in range(10):
                 x = gm.linear_w4a16(x, w, path=path) * 0.5
             return x
 
         eager = variant("loop", chain)
-        for v in ("pdl", "pdl_trigger"):
+        for v in ("pdl_trigger",):
             def replayed(v=v, chain=chain):
                 chain()
                 s = torch.cuda.Stream()

@@ -61,30 +61,42 @@ def _fake_cuda(monkeypatch, capability):
 def test_split_pdl_needs_sm90(monkeypatch, capability, expected):
     _fake_cuda(monkeypatch, capability)
     monkeypatch.setattr(torch.version, "hip", None)
-    cuda = torch.device("cuda", 0)
-    assert gm.split_pdl(cuda) is expected
-    assert gm.split_trigger(cuda) is expected
+    assert gm.split_pdl(torch.device("cuda", 0)) is expected
     assert gm.split_pdl(torch.device("cpu")) is False
 
 
-def test_split_pdl_knobs(monkeypatch):
+def test_split_pdl_knob_and_interpreter(monkeypatch):
     _fake_cuda(monkeypatch, (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gm, "SPLIT_TRIGGER", False)
-    assert gm.split_pdl(cuda) and not gm.split_trigger(cuda)
+    assert gm.split_pdl(cuda)
     monkeypatch.setattr(gm, "SPLIT_PDL", False)
-    assert not gm.split_pdl(cuda) and not gm.split_trigger(cuda)
+    assert not gm.split_pdl(cuda)
     monkeypatch.setattr(gm, "SPLIT_PDL", True)
     monkeypatch.setattr(gm, "INTERPRET", True)  # the interpreter launches plainly
     assert not gm.split_pdl(cuda)
 
 
-def test_split_finish_launches_as_a_dependent_only_where_split_pdl_says(monkeypatch):
+@pytest.mark.parametrize("dependent", [False, True])
+def test_summing_pass_is_a_dependent_only_of_a_kernel_that_signals_it(dependent):
     y = torch.empty(3, 40, dtype=torch.bfloat16)
-    for pdl in (False, True):
-        monkeypatch.setattr(gm, "split_pdl", lambda device, pdl=pdl: pdl)
-        launch = gm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16))
-        assert launch.kwargs["PDL"] is pdl and launch.kwargs["launch_pdl"] is pdl
-        assert launch.kwargs["SEGMENTS"] == 4
+    launch = gm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16), dependent)
+    assert launch.kwargs["PDL"] is dependent and launch.kwargs["launch_pdl"] is dependent
+    assert launch.kwargs["SEGMENTS"] == 4
+    assert gm.split_finish(4, y, None).__closure__  # no bias: the wrapper that passes y for it
 
+
+def test_mma_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch):
+    """mma.launches: TRIGGER in the split kernel and a dependent summing pass go together, as
+    ``split_pdl`` says; an unsplit call has neither."""
+    seen = []
+    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
+    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, dependent=False:
+                        seen.append((launch.kwargs["TRIGGER"], splits > 1, dependent)))
+    monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
+    words, sbits, enc = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 256, dtype=torch.uint8), torch.ones(1)
+    for m, k_split in ((16, 1024), (16, 4096)):
+        x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+        mma.launches(x, words, sbits, enc, None, None, torch.empty(m, 4096, dtype=torch.bfloat16),
+                     (64, 16, 128, 2, k_split, 3))
+    assert seen == [(True, True, True), (False, False, False)]

@@ -700,7 +700,7 @@ def _gemv_resident_kernel(
     # while the previous tile is decoded (the H200 sweep: large layers only).
     # F16 (fp16 x, not QUANT_X): fp16x2 products on each block's x scaled by
     # 2^e (``_x_pairs_f16``), the block sums multiplied back by 2^-e.
-    # TRIGGER (SPLIT on sm_90): the summing pass, a programmatic dependent, may launch now (split_pdl).
+    # TRIGGER (SPLIT, split_pdl): the summing pass, a programmatic dependent, may launch now.
     if TRIGGER:
         _gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -1396,27 +1396,29 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   FOUR_SIX=quantize_kernel.FOUR_SIX_CODES[four_six], SPLIT=split, num_warps=warps,
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k),
                   KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), F16=x2.dtype == torch.float16 and not quant,
-                  TRIGGER=split and split_trigger(x2.device))
+                  TRIGGER=split and split_pdl(x2.device))
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
     grid = (max(1, min(tiles, cdiv(programs, segments))), m, segments)
     launch = Launch(_gemv_resident_kernel, grid, args, slots, kwargs)
-    return split_run(launch, segments, y, bias_arg if has_bias else None)
+    return split_run(launch, segments, y, bias_arg if has_bias else None, kwargs["TRIGGER"])
 
 
-# The summing pass of a K split launches as a programmatic dependent of the split kernel (sm_90 on):
-# it may be scheduled while that kernel runs and waits in ``griddepcontrol.wait`` for its partials.
-# The split kernels signal ``griddepcontrol.launch_dependents`` when they start (SPLIT_TRIGGER), so the
-# pass is resident before they end. Only the summing pass is a dependent: every other launch keeps
-# the plain stream order (session 7 measured PDL on the GEMVs themselves and removed it).
+# The summing pass of a K split launches as a programmatic dependent of the split kernel (sm_90 on)
+# where that kernel is mma.py's or gemv6's: they signal ``griddepcontrol.launch_dependents`` as they
+# start, so the pass is resident before they end and waits in ``griddepcontrol.wait`` for the
+# partials. Only the summing pass is a dependent, and only of its own split kernel: every other launch
+# keeps the plain stream order (session 7 measured PDL on the GEMVs themselves and removed it). A pass
+# whose split kernel does not signal (wgmma.py, wsgemm.py) gains nothing from it (H200, session 24)
+# and launches plainly.
 SPLIT_PDL = os.environ.get("FP4PTQ_SPLIT_PDL", "1") == "1"
-SPLIT_TRIGGER = os.environ.get("FP4PTQ_SPLIT_TRIGGER", "1") == "1"
 
 
 def split_pdl(device: torch.device) -> bool:
-    """Whether a summing pass on ``device`` launches as a programmatic dependent (``FP4PTQ_SPLIT_PDL``,
-    an NVIDIA GPU of sm_90 or later, a Triton with griddepcontrol; never under the interpreter)."""
+    """Whether a split kernel on ``device`` signals its summing pass and the pass launches as its
+    programmatic dependent (``FP4PTQ_SPLIT_PDL``, an NVIDIA GPU of sm_90 or later, a Triton with
+    griddepcontrol; never under the interpreter)."""
     if not SPLIT_PDL or INTERPRET or _gdc_wait is None or device.type != "cuda" or torch.version.hip:
         return False
     return _capability(device) >= (9, 0)
@@ -1431,11 +1433,6 @@ def _capability(device: torch.device) -> tuple:
     return _capability_of(device.index if device.index is not None else current_device())
 
 
-def split_trigger(device: torch.device) -> bool:
-    """Whether a split kernel signals its summing pass as it starts (``FP4PTQ_SPLIT_TRIGGER``)."""
-    return SPLIT_TRIGGER and split_pdl(device)
-
-
 def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
     """Where a split-K launch writes: fp32 partial sums ``[splits, M, N]`` when K is
     split, ``y`` itself otherwise."""
@@ -1443,12 +1440,13 @@ def split_workspace(splits: int, y: torch.Tensor) -> torch.Tensor:
     return torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
 
 
-def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
+def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor], dependent: bool = False):
     """The summing pass of a split-K launch as a callable ``finish(target, y)``: ``y = sum of the
-    ``split_workspace``'s partial sums in split order (+ bias)``."""
+    ``split_workspace``'s partial sums in split order (+ bias)``; ``dependent``: launched as a
+    programmatic dependent of the split kernel, which signals it (``split_pdl``)."""
     m, n = y.shape
     block = 1024
-    pdl = split_pdl(y.device)
+    pdl = bool(dependent)
     launch = Launch(_gemv_split_finish, (cdiv(n, block), m), (None, bias, None, m, n, y.stride(0)),
                     (0, 1, 2) if bias is None else (0, 2),
                     dict(SEGMENTS=splits, HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4))
@@ -1460,15 +1458,16 @@ def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
     return finish
 
 
-def split_run(launch: Launch, splits: int, y: torch.Tensor, bias: Optional[torch.Tensor]):
+def split_run(launch: Launch, splits: int, y: torch.Tensor, bias: Optional[torch.Tensor], dependent: bool = False):
     """``run(*tensors) -> y`` of a ``launch`` whose last slot is its output (y last among the tensors):
-    written into y directly, or, K split, into a fresh ``split_workspace`` summed into y (+ bias)."""
+    written into y directly, or, K split, into a fresh ``split_workspace`` summed into y (+ bias);
+    ``dependent``: the launch signals the summing pass, which launches as its programmatic dependent."""
     if splits == 1:
         def run(*tensors):
             launch(*tensors)
             return tensors[-1]
         return run
-    finish = split_finish(splits, y, bias)
+    finish = split_finish(splits, y, bias, dependent)
 
     def run_split(*tensors):
         y = tensors[-1]

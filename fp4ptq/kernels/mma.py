@@ -237,7 +237,7 @@ def _mma_kernel(
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
     TRIGGER: gl.constexpr = False,
 ):
-    if TRIGGER:  # K split on sm_90: the summing pass (a programmatic dependent) may launch now
+    if TRIGGER:  # K split (gemm.split_pdl): the summing pass, a programmatic dependent, may launch now
         _launch_dependents()
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
@@ -384,7 +384,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
     activations' global scale too in a W4A4 plan; y last)."""
-    from .gemm import _sm_count, split_run, split_trigger, split_workspace
+    from .gemm import _sm_count, split_pdl, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -402,14 +402,15 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     splits = cdiv(k, k_split)
     target = split_workspace(splits, y)
     has_bias = bias is not None
+    trigger = splits > 1 and split_pdl(x2.device)
     launch = Launch(
         _mma_kernel, (cdiv(n, bn), splits),
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
              BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             TRIGGER=splits > 1 and split_trigger(x2.device), num_warps=warps))
-    return split_run(launch, splits, y, bias)
+             TRIGGER=trigger, num_warps=warps))
+    return split_run(launch, splits, y, bias, trigger)
 
 
 def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
