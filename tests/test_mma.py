@@ -133,9 +133,12 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert gemm._auto_path(16, torch.bfloat16, True, 4096, cuda) == "mma"
     assert gemm._auto_path(1, torch.bfloat16, False, 4096, cuda, 57344) == gemm.GEMV_PATH
     assert gemm._auto_path(2, torch.bfloat16, False, 8192, cuda, 57344) == "mma"  # beat gemv6 there
-    # M = 2, bf16: gemv6 on narrow single-segment layers (8B o / qkv), mma.py on split, streamed or wide ones
-    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 4096) == gemm.GEMV_PATH
-    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 6144) == gemm.GEMV_PATH
+    # M = 2, bf16 W4A16: mma.py from 4M weights, the narrow single-segment layers (8B o / qkv) included
+    # (session 24); W4A4 keeps gemv6 (its fused quantize) on those
+    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 4096) == "mma"
+    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 6144) == "mma"
+    assert gemm._auto_path(2, torch.bfloat16, True, 4096, cuda, 6144) == gemm.GEMV_PATH
+    assert gemm._auto_path(2, torch.bfloat16, True, 14336, cuda, 4096) == "mma"
     assert gemm._auto_path(2, torch.bfloat16, False, 3072, cuda, 3072) == "mma"    # Phi-3-mini o: 3 segments
     assert gemm._auto_path(2, torch.bfloat16, False, 14336, cuda, 4096) == "mma"   # 8B down
     assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 28672) == "mma"   # 8B gate_up

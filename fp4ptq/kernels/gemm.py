@@ -1559,8 +1559,13 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
     ``_gemv6_narrow`` names, where the constant-K gemv6 came out ahead (session 14,
     results/m2_constk_h200.json: 8B.o 8.47 against 9.40, 8B.qkv 10.68 / 11.94, Gemma-2-9B o 8.20 /
     9.15, Qwen2-7B qkv 10.78 / 11.24, Qwen2-7B o 8.87 / 8.99; mma.py still ahead on the split-K,
-    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13). fp16 takes the same
-    paths as bf16 (session 21, results/gemv_fp16_h200.json: gemv6 / gemv7 1.27-1.69x the paths fp16
+    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13). Since the summing
+    pass became its split kernel's programmatic dependent (session 24, results/split_rules_h200*.json,
+    interleaved), bf16 W4A16 at M = 2 takes mma.py on the narrow layers too (gemv6 / mma.py: 8B o 8.52 /
+    8.41, Gemma-2-9B o 8.26 / 8.09, Qwen2-7B qkv 10.79 / 10.20, Qwen2-7B o 8.93 / 8.34, 8B qkv 10.63 /
+    10.79; mma.py's fp32 products also land 2x closer to the exact product), while fp16 (gemv6 ahead
+    0.5-6%) and W4A4 (mixed, -4% to +5%) keep gemv6 there. fp16 takes the same
+    paths as bf16 otherwise (session 21, results/gemv_fp16_h200.json: gemv6 / gemv7 1.27-1.69x the paths fp16
     took before at M = 1, 1.12-1.21x mma.py at M = 2 on the narrow layers); where ``GEMV_PATH`` is
     "gemv5" (bf16 only) fp16 keeps gemv4, and mma.py at M = 1 on layers of more than 6144 x 4096
     (70B.gate_up 126 us against gemv4's 146)."""
@@ -1580,7 +1585,10 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH in ("gemv", "gemv6") else "gemv4"
         if gemv == "gemv6" and not _block_offsets_fit(n, k):
             gemv = "gemv4"
-        m2_mma = m == 2 and n * k >= 1 << 22 and not (gemv == "gemv6" and _gemv6_narrow(n, k))
+        # M = 2 on gemv6's narrow layers: bf16 W4A16 takes mma.py since its summing pass became a
+        # programmatic dependent (session 24); fp16 and W4A4 keep the GEMV
+        narrow_gemv = gemv == "gemv6" and _gemv6_narrow(n, k) and (dtype != torch.bfloat16 or w4a4)
+        m2_mma = m == 2 and n * k >= 1 << 22 and not narrow_gemv
         if (m2_mma or (gemv == "gemv4" and n * k > 6144 * 4096)) and mma_ok():
             return "mma"
         return gemv
