@@ -14,7 +14,12 @@ Then interleaved rounds (medians, CUDA-graph replays of 10 calls), cuBLAS bf16 i
 
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/split_pdl_h200.py   # $OUT/split_pdl_h200.json
 
-Knobs: ROUNDS (5), PHASES ("checks,time"), JSON.
+PHASES=modules: NVFP4Linear as a model calls it (launch plans, replayed through Triton's C launcher
+after their second call), square layers whose K the small-M kernels split, W4A16 and W4A4, bias:
+a chain of 10 calls (x_{i+1} = y_i / 2) eager, then captured in a CUDA graph and replayed; the
+replays must give the eager chain's bits.
+
+Knobs: ROUNDS (5), PHASES ("checks,time"; "modules"), JSON.
 """
 from __future__ import annotations
 
@@ -154,6 +159,47 @@ if "checks" in PHASES:
                    "replays": len(outs), "finite": bool(torch.isfinite(eager).all())}
             res["checks"].append(row)
             print(row, flush=True)
+    save()
+
+if "modules" in PHASES:
+    from fp4ptq.modules import NVFP4Linear
+
+    for n, m, scheme, dtype in [(4096, 16, "w4a16", torch.bfloat16), (4096, 2, "w4a16", torch.bfloat16),
+                                (4096, 16, "w4a4", torch.bfloat16), (4096, 8, "w4a16", torch.float16),
+                                (3072, 1, "w4a16", torch.bfloat16), (3072, 1, "w4a4", torch.bfloat16),
+                                (4096, 64, "w4a16", torch.bfloat16)]:
+        wq = nvfp4.quantize((torch.randn(n, n, device=dev, generator=g) * 0.02).to(dtype))
+        bias = torch.randn(n, device=dev, generator=g).to(dtype)
+        mod = NVFP4Linear.from_quantized(wq, bias, scheme=scheme,
+                                         input_amax=torch.tensor(8.0, device=dev) if scheme == "w4a4" else None)
+        x0 = torch.randn(1, m, n, device=dev, generator=g).to(dtype)
+
+        def chain(x0=x0, mod=mod):
+            x = x0
+            for _ in range(10):
+                x = mod(x) * 0.5
+            return x
+
+        eager = [chain() for _ in range(3)]  # (plans built, then replayed through the C launcher)
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            chain()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        same = 0
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            same += int(torch.equal(out, eager[-1]))
+        row = {"module": f"{n}x{n}", "m": m, "scheme": scheme, "dtype": str(dtype), "split_pdl": gm.split_pdl(dev),
+               "path": gm._auto_path(m, dtype, scheme == "w4a4", n, dev, n),
+               "eager_repeats_equal": all(torch.equal(e, eager[0]) for e in eager), "replays_equal": same,
+               "finite": bool(torch.isfinite(eager[0]).all())}
+        res.setdefault("modules", []).append(row)
+        print(row, flush=True)
     save()
 
 if "time" in PHASES:
