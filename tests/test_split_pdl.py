@@ -100,3 +100,32 @@ def test_mma_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch
         mma.launches(x, words, sbits, enc, None, None, torch.empty(m, 4096, dtype=torch.bfloat16),
                      (64, 16, 128, 2, k_split, 3))
     assert seen == [(True, True, True), (False, False, False)]
+
+
+@pytest.mark.parametrize("trigger", [False, True])
+def test_gemv6_signals_its_dependent_when_told(trigger):
+    types = {"x_ptr": "*bf16", "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": "*bf16", "y_ptr": "*fp32"}
+    ce = dict(HAS_BIAS=False, HAS_XENC=False, ROWS=4, KBP=256, EVEN_K=True, ALIGNED=True, EMULATE=False,
+              QUANT_X=False, FOUR_SIX=0, SPLIT=True, PREFETCH=False, MULDEC=False, KB_C=0, F16=False,
+              TRIGGER=trigger)
+    ptx = compile_for(gm._gemv_resident_kernel, types, ce, num_warps=4).asm["ptx"]
+    assert ("griddepcontrol.launch_dependents" in ptx) == trigger
+    if trigger:  # at the start: before the first load
+        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+
+
+def test_gemv6_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch):
+    """gemm._gemv6: TRIGGER in the split kernel and a dependent summing pass go together, as
+    ``split_pdl`` says; a one-segment layer has neither."""
+    seen = []
+    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
+    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, dependent=False:
+                        seen.append((launch.kwargs["TRIGGER"], splits > 1, dependent)))
+    monkeypatch.setattr(gm, "_whole_wave_programs", lambda *a, **k: 132 * 4)
+    for n, k in ((3072, 3072), (4096, 4096)):  # Phi-3-mini o: 3 segments; 8B o: one
+        x = torch.zeros(1, k, dtype=torch.bfloat16)
+        words, sbits = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 16, dtype=torch.uint8)
+        gm._gemv6(x, words, sbits, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1, n, dtype=torch.bfloat16),
+                  1, n, k, False, None)
+    assert seen == [(True, True, True), (False, False, False)]
