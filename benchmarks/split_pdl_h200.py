@@ -69,6 +69,25 @@ VARIANTS = {"loop": (_finish_loop, False), "unrolled": (gm._gemv_split_finish, F
             "pdl_trigger": (gm._gemv_split_finish, True)}
 
 
+def graph_replays(fn, times: int = 5) -> tuple:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream) and replayed ``times`` times:
+    (the capture's output after each replay, cloned)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    outs = []
+    for _ in range(times):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+    return outs
+
+
 def variant(name, fn):
     gm._gemv_split_finish, gm.SPLIT_PDL = VARIANTS[name]
     try:
@@ -137,28 +156,11 @@ if "checks" in PHASES:
             return x
 
         eager = variant("loop", chain)
-        for v in ("pdl_trigger",):
-            def replayed(v=v, chain=chain):
-                chain()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    chain()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = chain()
-                outs = []
-                for _ in range(5):
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    outs.append(out.clone())
-                return outs
-            outs = variant(v, replayed)
-            row = {"chain_m": m, "variant": v, "replays_equal": sum(int(torch.equal(o, eager)) for o in outs),
-                   "replays": len(outs), "finite": bool(torch.isfinite(eager).all())}
-            res["checks"].append(row)
-            print(row, flush=True)
+        outs = variant("pdl_trigger", lambda chain=chain: graph_replays(chain))
+        row = {"chain_m": m, "variant": "pdl_trigger", "replays_equal": sum(int(torch.equal(o, eager)) for o in outs),
+               "replays": len(outs), "finite": bool(torch.isfinite(eager).all())}
+        res["checks"].append(row)
+        print(row, flush=True)
     save()
 
 if "modules" in PHASES:
@@ -181,19 +183,7 @@ if "modules" in PHASES:
             return x
 
         eager = [chain() for _ in range(3)]  # (plans built, then replayed through the C launcher)
-        s_ = torch.cuda.Stream()
-        s_.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s_):
-            chain()
-        torch.cuda.current_stream().wait_stream(s_)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        same = 0
-        for _ in range(5):
-            graph.replay()
-            torch.cuda.synchronize()
-            same += int(torch.equal(out, eager[-1]))
+        same = sum(int(torch.equal(o, eager[-1])) for o in graph_replays(chain))
         row = {"module": f"{n}x{n}", "m": m, "scheme": scheme, "dtype": str(dtype), "split_pdl": gm.split_pdl(dev),
                "path": gm._auto_path(m, dtype, scheme == "w4a4", n, dev, n),
                "eager_repeats_equal": all(torch.equal(e, eager[0]) for e in eager), "replays_equal": same,

@@ -78,12 +78,17 @@ def test_split_pdl_knob_and_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("dependent", [False, True])
-def test_summing_pass_is_a_dependent_only_of_a_kernel_that_signals_it(dependent):
+def test_summing_pass_is_a_dependent_only_of_a_kernel_that_signals_it(monkeypatch, dependent):
+    """With and without a bias (the latter returns a wrapper around the launch), the pass's build and
+    its launch option follow ``dependent``, never ``split_pdl`` alone."""
+    built = []
+    real = gm.Launch
+    monkeypatch.setattr(gm, "Launch", lambda *a: built.append(a[4]) or real(*a))
+    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
     y = torch.empty(3, 40, dtype=torch.bfloat16)
-    launch = gm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16), dependent)
-    assert launch.kwargs["PDL"] is dependent and launch.kwargs["launch_pdl"] is dependent
-    assert launch.kwargs["SEGMENTS"] == 4
-    assert gm.split_finish(4, y, None).__closure__  # no bias: the wrapper that passes y for it
+    gm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16), dependent)
+    gm.split_finish(4, y, None, dependent)
+    assert [(kw["PDL"], kw["launch_pdl"], kw["SEGMENTS"]) for kw in built] == [(dependent, dependent, 4)] * 2
 
 
 def test_mma_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch):

@@ -32,8 +32,9 @@ Products ``x * (v * scale)`` are exact in fp32 and summed in fp32, so the
 result matches the tiled GEMM up to summation order. K is split over
 programs (fp32 workspace + gemm.py's ordered summing pass) when N alone
 does not fill the GPU; on sm_90 the kernel signals that pass as it starts
-and the pass launches as its programmatic dependent (``gemm.split_pdl``). The dispatch uses the kernel on a device only after
-``ready`` (a self-test there) passed.
+and the pass launches as its programmatic dependent (``gemm.split_pdl``).
+The dispatch uses the kernel on a device only after ``ready`` (a self-test
+there) passed.
 
 The Triton interpreter cannot run Gluon: CPU tests emulate the decode's bit
 moves, compile this kernel for sm_90 and check its instructions; the numerics
