@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 import peers_h200 as peers
+import torch
 
 
 def interleaved(fns: dict, rounds: int) -> dict:
@@ -23,3 +24,22 @@ def interleaved(fns: dict, rounds: int) -> dict:
 def rel(y, ref) -> float:
     """Relative Frobenius error of ``y`` against ``ref`` (both taken in fp32)."""
     return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def graph_replays(fn, times: int = 5) -> list:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream) and replayed ``times`` times:
+    the capture's output after each replay, cloned."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    outs = []
+    for _ in range(times):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+    return outs

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 import peers_h200 as peers
-from _rounds import interleaved, rel
+from _rounds import graph_replays, interleaved, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 
@@ -67,25 +67,6 @@ def _finish_loop(part_ptr, bias_ptr, y_ptr, M, N, stride_ym, SEGMENTS: tl.conste
 SHIPPED = (gm._gemv_split_finish, gm.SPLIT_PDL)
 VARIANTS = {"loop": (_finish_loop, False), "unrolled": (gm._gemv_split_finish, False),
             "pdl_trigger": (gm._gemv_split_finish, True)}
-
-
-def graph_replays(fn, times: int = 5) -> tuple:
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream) and replayed ``times`` times:
-    (the capture's output after each replay, cloned)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    outs = []
-    for _ in range(times):
-        graph.replay()
-        torch.cuda.synchronize()
-        outs.append(out.clone())
-    return outs
 
 
 def variant(name, fn):

@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -1021,6 +1022,14 @@ def _dequant_kernel(w_ptr, s_ptr, wenc_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr
 # --------------------------------------------------------------------------- #
 # Host side
 # --------------------------------------------------------------------------- #
+def _weight_in_place(weight: NVFP4Tensor) -> bool:
+    """Whether ``_weight_views`` and the kernels' 16-byte loads use the weight's own codes and scales
+    without copying them."""
+    packed, scale = weight.packed, weight.block_scale
+    return (packed.is_contiguous() and packed.data_ptr() % 16 == 0 and scale.is_contiguous()
+            and scale.data_ptr() % 16 == 0)
+
+
 def _weight_views(weight: NVFP4Tensor):
     n, k = weight.shape[0], weight.shape[-1]
     if len(weight.shape) != 2 or weight.padded_k != k or k % BLOCK_SIZE:
@@ -1408,20 +1417,75 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
 # The summing pass of a K split launches as a programmatic dependent of the split kernel (sm_90 on)
 # where that kernel is mma.py's or gemv6's: they signal ``griddepcontrol.launch_dependents`` as they
 # start, so the pass is resident before they end and waits in ``griddepcontrol.wait`` for the
-# partials. Only the summing pass is a dependent, and only of its own split kernel: every other launch
-# keeps the plain stream order (session 7 measured PDL on the GEMVs themselves and removed it). A pass
-# whose split kernel does not signal (wgmma.py, wsgemm.py) gains nothing from it (H200, session 24)
-# and launches plainly.
+# partials. Likewise W4A4's mma.py launch after the activations' quantize launch (``w4a4_pdl``): the
+# quantize kernel signals as it starts and mma.py copies its first weight steps before it waits.
+# A dependent is only ever paired with the launch just before it, which is ours and writes nothing
+# the dependent reads before its wait; every other launch keeps the plain stream order (session 7
+# measured PDL on the GEMVs themselves and removed it). A pass whose split kernel does not signal
+# (wgmma.py, wsgemm.py) gains nothing from it (H200, session 24) and launches plainly. Where the
+# driver refuses a dependent launch, the plain launch takes the call and none is tried again on that
+# GPU (``dependent_or_plain``).
 SPLIT_PDL = os.environ.get("FP4PTQ_SPLIT_PDL", "1") == "1"
+W4A4_PDL = os.environ.get("FP4PTQ_W4A4_PDL", "1") == "1"
+_PDL_FAILED: dict = {}  # device index -> why a dependent launch failed there (no more are tried)
+
+
+def _pdl_possible(device: torch.device) -> bool:
+    """Whether launches on ``device`` may be programmatic dependents: an NVIDIA GPU of sm_90 or later,
+    a Triton with griddepcontrol, not the interpreter, and no dependent launch refused there yet."""
+    if INTERPRET or _gdc_wait is None or device.type != "cuda" or torch.version.hip:
+        return False
+    if _device_index(device) in _PDL_FAILED:
+        return False
+    return _capability(device) >= (9, 0)
 
 
 def split_pdl(device: torch.device) -> bool:
     """Whether a split kernel on ``device`` signals its summing pass and the pass launches as its
-    programmatic dependent (``FP4PTQ_SPLIT_PDL``, an NVIDIA GPU of sm_90 or later, a Triton with
-    griddepcontrol; never under the interpreter)."""
-    if not SPLIT_PDL or INTERPRET or _gdc_wait is None or device.type != "cuda" or torch.version.hip:
-        return False
-    return _capability(device) >= (9, 0)
+    programmatic dependent (``FP4PTQ_SPLIT_PDL`` and ``_pdl_possible``)."""
+    return SPLIT_PDL and _pdl_possible(device)
+
+
+def w4a4_pdl(device: torch.device) -> bool:
+    """Whether W4A4's activation quantize launch signals mma.py, which launches as its programmatic
+    dependent (``FP4PTQ_W4A4_PDL`` and ``_pdl_possible``)."""
+    return W4A4_PDL and _pdl_possible(device)
+
+
+def _device_index(device: torch.device) -> int:
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else current_device()
+
+
+def dependent_or_plain(dependent, plain, device: torch.device, what: str):
+    """``call(*args)``: ``dependent(*args)`` (a programmatic dependent launch) while such launches work
+    on ``device``, else ``plain(*args)`` (the same work launched plainly; a callable, or a function
+    of no arguments that builds it, called once). If the dependent launch raises and the plain one
+    then succeeds, the driver refused the dependent launch: a warning names the error, and no
+    dependent launch is tried on that GPU again. If the plain one raises too, its error propagates
+    (the fault was not the dependent launch's)."""
+    index = _device_index(device)
+    built = []
+
+    def run_plain(*args):
+        if not built:
+            built.append(plain())
+        return built[0](*args)
+
+    def call(*args):
+        if index in _PDL_FAILED:
+            return run_plain(*args)
+        try:
+            return dependent(*args)
+        except Exception as exc:  # noqa: BLE001 - e.g. a driver without programmatic dependent launch
+            result = run_plain(*args)
+            if index not in _PDL_FAILED:
+                _PDL_FAILED[index] = f"{what}: {exc!r}"[:300]
+                warnings.warn(f"fp4ptq: programmatic dependent launches are not used on cuda:{index} any more "
+                              f"({_PDL_FAILED[index]}); the plain launches take their calls", stacklevel=2)
+            return result
+    return call
 
 
 @functools.lru_cache(maxsize=None)
@@ -1461,13 +1525,16 @@ def split_finish(splits: int, y: torch.Tensor, bias: Optional[torch.Tensor], dep
 def split_run(launch: Launch, splits: int, y: torch.Tensor, bias: Optional[torch.Tensor], dependent: bool = False):
     """``run(*tensors) -> y`` of a ``launch`` whose last slot is its output (y last among the tensors):
     written into y directly, or, K split, into a fresh ``split_workspace`` summed into y (+ bias);
-    ``dependent``: the launch signals the summing pass, which launches as its programmatic dependent."""
+    ``dependent``: the launch signals the summing pass, which launches as its programmatic dependent
+    (plainly, should the driver refuse that: ``dependent_or_plain``)."""
     if splits == 1:
         def run(*tensors):
             launch(*tensors)
             return tensors[-1]
         return run
     finish = split_finish(splits, y, bias, dependent)
+    if dependent:
+        finish = dependent_or_plain(finish, lambda: split_finish(splits, y, bias), y.device, "the split-K summing pass")
 
     def run_split(*tensors):
         y = tensors[-1]
@@ -1637,10 +1704,12 @@ def _row_chunks(m: int, n: int) -> list:
 
 def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Optional[str] = None,
             out: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
-            four_six: Optional[str] = None, picked: bool = False):
+            four_six: Optional[str] = None, picked: bool = False, dependent: bool = False):
     """``x2 [M, K] @ dequant(weight).T`` (/ x_enc) + bias -> [M, N] in x2's dtype
     (written into ``out`` when given: tests poison it first). ``amax`` (path
-    "gemv6" only): x is raw and quantized inside the GEMV (W4A4, ``four_six``)."""
+    "gemv6" only): x is raw and quantized inside the GEMV (W4A4, ``four_six``).
+    ``dependent`` (path "mma" only): launched as the programmatic dependent of the quantize
+    launch just before, which signalled it (``linear_w4a4``, ``w4a4_pdl``)."""
     n, k, words, sbits, enc = _weight_views(weight)
     m = x2.shape[0]
     if x2.shape[1] != k:
@@ -1693,7 +1762,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 
         try:
             return mma.matmul(x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else None,
-                              bias_arg if has_bias else None, y)
+                              bias_arg if has_bias else None, y, dependent=dependent)
         except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
             if not auto:
                 raise
@@ -1800,9 +1869,12 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
             raise nvfp4.NVFP4Error(f"W4A4: activation last dim {x2.shape[-1]} is not a multiple of {BLOCK_SIZE}")
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
     else:
-        xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six)
+        # mma.py launches as the quantize launch's programmatic dependent where it reads the weight's own
+        # buffers (a copy made between the two would be read before its wait)
+        pair = requested is None and path == "mma" and _weight_in_place(weight) and w4a4_pdl(x2.device)
+        xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six, trigger=pair)
         # an automatic choice stays one (a failed mma launch can fall back)
-        y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None)
+        y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None, dependent=pair)
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -1855,11 +1927,13 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
             qwords = quantize_kernel._words(x2)
             if qwords is None:
                 return None
-        quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None)
+        # mma.py as the quantize launch's programmatic dependent (the weight views are its own buffers here)
+        pair = path == "mma" and w4a4_pdl(device)
+        quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None, pair)
         x_enc, slots = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6)
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor
     else:
-        x_enc, slots = None, (0, 6)
+        x_enc, slots, pair = None, (0, 6), False
     if path == "gemv6" and x2.stride(0) % 4 == 0:
         align = 8  # x read as 8-byte words
         run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
@@ -1868,6 +1942,8 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
         align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
         own = dict(own_counters=True) if path == "wsgemm" else {}  # (its split tiles' counters)
+        if pair:
+            own = dict(dependent=True)
         run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots, **own)
     else:
         return None

@@ -164,6 +164,13 @@ def _launch_dependents():
 
 
 @gluon.jit
+def _grid_wait():
+    """griddepcontrol.wait: as a programmatic dependent (gemm.w4a4_pdl: of the activations' quantize
+    launch), wait until that launch has ended and its writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
+
+
+@gluon.jit
 def _spread8(v):
     """``[..]`` -> ``[.., 2, 2, 2]``: eight register copies (one per code of a word)."""
     v = gl.join(v, v)
@@ -237,10 +244,14 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    TRIGGER: gl.constexpr = False,
+    TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = False,
 ):
     if TRIGGER:  # K split (gemm.split_pdl): the summing pass, a programmatic dependent, may launch now
         _launch_dependents()
+    # WAIT (gemm.w4a4_pdl): launched as the programmatic dependent of the quantize launch that writes the
+    # activations (and their global scale): the ring's first weight and scale copies are issued before
+    # griddepcontrol.wait, everything that reads x, x_enc or writes y after it. (The quantize kernel
+    # writes no weights, and it started after every earlier launch had ended.) Built for the ring only.
     # Row strides passed in units that make their alignment known to the compiler (K % 64 == 0,
     # activation rows a multiple of 8 elements): 16-byte loads and cp.async copies.
     KW = KW8 * 8  # words a row (K / 8)
@@ -275,12 +286,23 @@ def _mma_kernel(
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
         xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
         xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
-        for i in gl.static_range(STAGES - 1):
-            kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
-            _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
-            _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
-            _copy(x_ring.index(i), x_ptr + kc + xc_off)
-            async_copy.commit_group()
+        if WAIT:  # the weight steps first (uncommitted: they join the first commit group), then the wait
+            for i in gl.static_range(STAGES - 1):
+                kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+                _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+                _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+            _grid_wait()
+            for i in gl.static_range(STAGES - 1):
+                kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+                _copy(x_ring.index(i), x_ptr + kc + xc_off)
+                async_copy.commit_group()
+        else:
+            for i in gl.static_range(STAGES - 1):
+                kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+                _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+                _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+                _copy(x_ring.index(i), x_ptr + kc + xc_off)
+                async_copy.commit_group()
         for i in range((k_hi - k_lo) // BK):
             async_copy.wait_group(STAGES - 2)
             _sync()  # step i is in; every thread is done with step i - 1's slot
@@ -367,10 +389,14 @@ _LAYOUTS: dict = {}
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None) -> torch.Tensor:
+           cfg: Optional[tuple] = None, dependent: bool = False) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
-    its global scale); ``x_enc``: the activations' global scale (W4A4), or None."""
+    its global scale); ``x_enc``: the activations' global scale (W4A4), or None.
+    ``dependent``: see ``launches`` (the operands must then need no copy)."""
+    if dependent:
+        x2, sbits = aligned_operands(x2, sbits, copy=False)
+        return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, dependent=True)(x2, y)
     return run_once(launches, x2, words, sbits, enc, x_enc, bias, y, cfg)
 
 
@@ -382,11 +408,14 @@ def run_once(launches_of, x2, words, sbits, enc, x_enc, bias, y, cfg=None):
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, slots=(0, 6)):
+             cfg: Optional[tuple] = None, slots=(0, 6), dependent: bool = False):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
-    activations' global scale too in a W4A4 plan; y last)."""
-    from .gemm import _sm_count, split_pdl, split_run, split_workspace
+    activations' global scale too in a W4A4 plan; y last). ``dependent``: the kernel launches as
+    the programmatic dependent of the launch just before it, which must be the activations'
+    quantize launch signalling it (``gemm.w4a4_pdl``); it copies its first weight steps before
+    ``griddepcontrol.wait`` (plainly, should the driver refuse that: ``gemm.dependent_or_plain``)."""
+    from .gemm import _sm_count, dependent_or_plain, split_pdl, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -405,19 +434,36 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     target = split_workspace(splits, y)
     has_bias = bias is not None
     trigger = splits > 1 and split_pdl(x2.device)
+    wait = bool(dependent) and stages >= 2  # (the register-prefetch modes read x from their first load)
     launch = Launch(
         _mma_kernel, (cdiv(n, bn), splits),
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
              BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             TRIGGER=trigger, num_warps=warps))
-    return split_run(launch, splits, y, bias, trigger)
+             TRIGGER=trigger, WAIT=wait, launch_pdl=wait, num_warps=warps))
+    run = split_run(launch, splits, y, bias, trigger)
+    if not wait:
+        return run
+    return dependent_or_plain(run, lambda: launches(x2, words, sbits, enc, x_enc, bias, y, cfg, slots), x2.device,
+                              "mma.py after the quantize launch")
 
 
-def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
-    """The activations with 16-byte aligned rows of unit stride and the scale bytes
-    16-byte aligned (the kernels' 16-byte loads and cp.async copies), copied only if not."""
+def operands_aligned(x2: torch.Tensor, sbits: torch.Tensor) -> bool:
+    """Whether the activations have 16-byte aligned rows of unit stride and the scale bytes are
+    16-byte aligned (the kernels' 16-byte loads and cp.async copies)."""
+    return x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and sbits.data_ptr() % 16 == 0
+
+
+def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor, copy: bool = True):
+    """The activations with 16-byte aligned rows of unit stride and the scale bytes 16-byte
+    aligned, copied only if not (``copy=False``: raise instead; a programmatic dependent must not
+    read a copy of the weight made just before it)."""
+    if operands_aligned(x2, sbits):
+        return x2, sbits
+    if not copy:
+        raise ValueError("mma: misaligned operands for a programmatic dependent launch (the caller checks "
+                         "operands_aligned first)")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if sbits.data_ptr() % 16:
@@ -531,4 +577,5 @@ def disable(device: torch.device, reason: str) -> None:
 
 
 __all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "launches", "matmul",
-           "product_check", "ready", "run_once", "sm90_reason", "stop_using", "store_output", "supports"]
+           "operands_aligned", "product_check", "ready", "run_once", "sm90_reason", "stop_using", "store_output",
+           "supports"]

@@ -58,6 +58,11 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from ._ints import cdiv, next_pow2
+
+try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+except ImportError:  # pragma: no cover - an older Triton: gemm.w4a4_pdl is False there
+    _gdc_launch_dependents = None
 from ._launch import Launch, cuda_sm_count
 
 # Four Over Six rule -> kernel constant (0: standard scale-to-6 only).
@@ -249,8 +254,10 @@ def _quantize_kernel(
     x_ptr, amax_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xm, stride_sm,
     FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+        _gdc_launch_dependents()
     # One program: BLOCK_M rows x BLOCKS_K blocks of 16 columns. Each block is
     # loaded as two halves of 8 so that one thread holds a whole block: the
     # block max and the per-block thresholds are computed once, in registers.
@@ -796,8 +803,10 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
-    WORD_MAJOR: tl.constexpr,
+    WORD_MAJOR: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+        _gdc_launch_dependents()
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
     # next tile's words are loaded before this tile's math, so memory and math overlap.
@@ -951,6 +960,7 @@ def launch_quantize(
     *,
     emit: str = "packed",
     out_dtype: Optional[torch.dtype] = None,
+    trigger: bool = False,
 ):
     """Run the kernel on a 2-D ``x [M, K]`` (K % 16 == 0, unit last stride)
     with a 0-dim/[1] fp32 ``amax`` tensor on x's device (no host sync).
@@ -963,7 +973,8 @@ def launch_quantize(
     bf16 / fp16 inputs of 3 rows and more go to the 16-bit kernel (two elements a register,
     thresholds per block or from a per-program table; bf16 on sm_90 and later, fp16 on sm_80 and
     later); fp32 inputs, 1-2 rows, a scaled output in another dtype and older GPUs to the
-    fp32-compare one. Both give the reference's codes and scales.
+    fp32-compare one. Both give the reference's codes and scales. ``trigger``: see
+    ``quantize_launches`` (for W4A4's GEMM launched right after, as a programmatic dependent).
     """
     if emit not in EMITS:
         raise ValueError(f"emit must be one of {EMITS}, got {emit!r}")
@@ -984,7 +995,7 @@ def launch_quantize(
     if x.numel() == 0:  # nothing to launch; the global scale still follows the amax
         enc = nvfp4.global_encode_scale(amax.reshape(()), four_six is not None).to(x.device)
         return _returned(_outputs(*x.shape, x.dtype, x.device, four_six, emit, out_dtype, enc))
-    return quantize_launches(x, words, amax, four_six, emit, out_dtype)(x if words is None else words, amax)
+    return quantize_launches(x, words, amax, four_six, emit, out_dtype, trigger)(x if words is None else words, amax)
 
 
 def _takes_quant16(x: torch.Tensor, emit: str, out_dtype: Optional[torch.dtype]) -> bool:
@@ -1016,16 +1027,18 @@ def _returned(outs: tuple) -> tuple:
 
 
 def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torch.Tensor, four_six: Optional[str],
-                      emit: str, out_dtype: Optional[torch.dtype]):
+                      emit: str, out_dtype: Optional[torch.dtype], trigger: bool = False):
     """``launch_quantize``'s launch for inputs shaped like ``x`` (``words``: its int32 view for the 16-bit
     kernel, or None for the fp32-compare one; ``amax`` fp32 [1] on x's device) as a callable
     ``run(x or words, amax)`` that allocates the outputs, launches, and returns what ``launch_quantize``
-    does (the amax too is read at each call: a layer's static scale can change between calls)."""
+    does (the amax too is read at each call: a layer's static scale can change between calls).
+    ``trigger``: the kernel signals ``griddepcontrol.launch_dependents`` as it starts, so that the
+    GEMM launched next as its programmatic dependent (``gemm.w4a4_pdl``) may start early."""
     m, k = x.shape
     dev, dtype = x.device, x.dtype
     sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)
     kwargs = dict(FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
-                  enable_fp_fusion=False)
+                  TRIGGER=bool(trigger), enable_fp_fusion=False)
     table_size = 0
     if words is not None:
         block_m, blocks_k, warps = _tile16(m, k)
@@ -1102,10 +1115,12 @@ def quantize(
     )
 
 
-def quantize_scaled(x: torch.Tensor, amax: torch.Tensor, four_six: Optional[str] = None, out_dtype=None):
+def quantize_scaled(x: torch.Tensor, amax: torch.Tensor, four_six: Optional[str] = None, out_dtype=None,
+                    trigger: bool = False):
     """``(v * block_scale [M, K], global_enc)`` of a 2-D ``x`` under a static
-    ``amax``: ``fake_quantize(x) == v * block_scale / global_enc``."""
-    return launch_quantize(x, amax, four_six, emit="scaled", out_dtype=out_dtype)
+    ``amax``: ``fake_quantize(x) == v * block_scale / global_enc`` (``trigger``: see
+    ``quantize_launches``)."""
+    return launch_quantize(x, amax, four_six, emit="scaled", out_dtype=out_dtype, trigger=trigger)
 
 
 __all__ = ["FOUR_SIX_CODES", "launch_quantize", "quantize", "quantize_scaled"]

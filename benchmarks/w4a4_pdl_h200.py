@@ -1,0 +1,179 @@
+"""W4A4 at small M with mma.py launched as the programmatic dependent of the activations' quantize launch
+(gemm.w4a4_pdl, session 25), on the H200.
+
+Variants:
+  plain  the quantize launch, then mma.py launched plainly (FP4PTQ_W4A4_PDL=0; as before this change)
+  pdl    the quantize kernel signals griddepcontrol.launch_dependents as it starts; mma.py launches as its
+         programmatic dependent and copies its first weight steps before griddepcontrol.wait (shipped)
+
+Checks first: ``pdl`` bit-equal to ``plain`` on every row (5 calls each), a graph-replayed chain of 10
+dependent calls (x_{i+1} = y_i / 2) bit-equal to the plain eager chain, and NVFP4Linear's launch plans
+(replayed through Triton's C launcher) in a CUDA graph equal to the plain module's eager chain. Then
+interleaved rounds (medians, CUDA-graph replays of 10 calls): the dispatch's call, and NVFP4Linear
+with its plans, cuBLAS bf16 and W4A16 in the same rounds.
+
+    PYTHONPATH=$PWD:$PWD/.peers:$PWD/benchmarks python benchmarks/w4a4_pdl_h200.py   # $OUT/w4a4_pdl_h200.json
+
+Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+import peers_h200 as peers
+from _rounds import graph_replays, interleaved, rel
+from fp4ptq import nvfp4
+from fp4ptq.kernels import gemm as gm
+
+dev = torch.device("cuda")
+T0 = time.time()
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
+PHASES = os.environ.get("PHASES", "checks,time,modules").split(",")
+out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("JSON", "w4a4_pdl_h200.json"))
+res = {"env": peers.env(), "w4a4_pdl": gm.w4a4_pdl(dev), "checks": [], "time": [], "modules": []}
+SHIPPED = gm.W4A4_PDL
+
+
+def save():
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def variant(name, fn):
+    gm.W4A4_PDL = name == "pdl"
+    try:
+        return fn()
+    finally:
+        gm.W4A4_PDL = SHIPPED
+
+
+g = torch.Generator(device=dev).manual_seed(0)
+_weights = {}
+
+
+def weight(n, k):
+    if (n, k) not in _weights:
+        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+        _weights[(n, k)] = (w, w.dequantize(torch.bfloat16))
+    return _weights[(n, k)]
+
+
+SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
+          "70B.down": (8192, 28672), "70B.gate_up": (57344, 8192), "Qwen2-7B.o": (3584, 3584)}
+# (layer, M, bias, dtype, Four Over Six)
+ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
+    ("8B.o", 3, False, torch.bfloat16, None), ("8B.qkv", 3, False, torch.bfloat16, None),
+    ("8B.o", 8, False, torch.bfloat16, None), ("8B.down", 8, False, torch.bfloat16, None),
+    ("8B.o", 32, False, torch.bfloat16, None), ("8B.qkv", 32, False, torch.bfloat16, None),
+    ("8B.o", 64, False, torch.bfloat16, None), ("8B.gate_up", 2, False, torch.bfloat16, None),
+    ("8B.o", 16, True, torch.bfloat16, None), ("8B.o", 16, False, torch.float16, None),
+    ("8B.o", 16, False, torch.bfloat16, "mse"), ("8B.down", 16, True, torch.float16, "mse")]
+
+
+def call_of(name, m, bias, dtype, four_six):
+    n, k = SHAPES[name]
+    w, _ = weight(n, k)
+    x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+    b = torch.randn(n, device=dev, generator=g).to(dtype) if bias else None
+    amax = x.float().abs().amax()
+    return x, w, (lambda: gm.linear_w4a4(x, w, amax, b, four_six=four_six))
+
+
+def label(name, m, bias, dtype, four_six):
+    return {"layer": name, "m": m, "bias": bias, "dtype": str(dtype).replace("torch.", ""), "four_six": four_six,
+            "path": gm._auto_path(m, dtype, True, SHAPES[name][1], dev, SHAPES[name][0])}
+
+
+if "checks" in PHASES:
+    for row_args in ROWS:
+        x, w, call = call_of(*row_args)
+        base = variant("plain", call)
+        row = label(*row_args)
+        row["pdl_equal"] = all(torch.equal(variant("pdl", call), base) for _ in range(5))
+        row["rel_ref"] = rel(base, x.float() @ w.dequantize(torch.float32).T) if not row_args[2] else None
+        res["checks"].append(row)
+        print(row, flush=True)
+    for m in (16, 3, 32):  # chains on 8B.o-sized square layers
+        w, _ = weight(4096, 4096)
+        x0 = torch.randn(m, 4096, device=dev, generator=g).to(torch.bfloat16)
+        amax = torch.tensor(4.0, device=dev)
+
+        def chain(x0=x0, w=w, amax=amax):
+            x = x0
+            for _ in range(10):
+                x = gm.linear_w4a4(x, w, amax) * 0.5
+            return x
+
+        eager = variant("plain", chain)
+        outs = variant("pdl", lambda chain=chain: graph_replays(chain))
+        row = {"chain_m": m, "replays_equal": sum(int(torch.equal(o, eager)) for o in outs), "replays": len(outs),
+               "eager_pdl_equal": bool(torch.equal(variant("pdl", chain), eager)),
+               "finite": bool(torch.isfinite(eager).all())}
+        res["checks"].append(row)
+        print(row, flush=True)
+    save()
+
+
+def module_pair(n, k, m, dtype, four_six, bias):
+    """(plain module, pdl module, input): NVFP4Linear W4A4 on the same weight, each with the plans it built
+    (and replays) under its variant."""
+    from fp4ptq.modules import NVFP4Linear
+
+    wq = nvfp4.quantize((torch.randn(n, k, device=dev, generator=g) * 0.02).to(dtype))
+    b = torch.randn(n, device=dev, generator=g).to(dtype) if bias else None
+    x = torch.randn(1, m, k, device=dev, generator=g).to(dtype)
+    mods = []
+    for v in ("plain", "pdl"):
+        mod = NVFP4Linear.from_quantized(wq, b, scheme="w4a4", act_four_six=four_six,
+                                         input_amax=torch.tensor(8.0, device=dev))
+        for _ in range(3):  # plans built under the variant, then replayed through the C launcher
+            variant(v, lambda mod=mod: mod(x))
+        mods.append(mod)
+    return mods[0], mods[1], x
+
+
+if "modules" in PHASES:
+    for n, m, dtype, four_six, bias in [(4096, 16, torch.bfloat16, None, True), (4096, 3, torch.bfloat16, None, False),
+                                        (4096, 32, torch.float16, "mse", True), (6144, 16, torch.bfloat16, None, False)]:
+        k = 4096
+        plain, pdl, x = module_pair(n, k, m, dtype, four_six, bias)
+        if n == k:
+            def chain_of(mod, x=x):
+                def chain():
+                    h = x
+                    for _ in range(10):
+                        h = mod(h) * 0.5
+                    return h
+                return chain
+
+            eager = chain_of(plain)()
+            same = sum(int(torch.equal(o, eager)) for o in graph_replays(chain_of(pdl)))
+        else:
+            eager = plain(x)
+            same = sum(int(torch.equal(o, eager)) for o in graph_replays(lambda pdl=pdl, x=x: pdl(x)))
+        row = {"module": f"{n}x{k}", "m": m, "dtype": str(dtype), "four_six": four_six, "bias": bias,
+               "path": gm._auto_path(m, dtype, True, k, dev, n), "replays_equal": same,
+               "finite": bool(torch.isfinite(eager).all())}
+        row.update({f"us_{a}": b for a, b in interleaved({"plain": lambda: plain(x), "pdl": lambda: pdl(x)},
+                                                          ROUNDS).items()})
+        res["modules"].append(row)
+        print(row, flush=True)
+        save()
+
+if "time" in PHASES:
+    for row_args in ROWS:
+        x, w, call = call_of(*row_args)
+        _, wb = weight(*SHAPES[row_args[0]])
+        xb = x.to(torch.bfloat16)
+        fns = {"plain": lambda call=call: variant("plain", call), "pdl": lambda call=call: variant("pdl", call),
+               "w4a16": lambda x=x, w=w: gm.linear_w4a16(x, w), "cublas_bf16": lambda: xb @ wb.T}
+        row = {**label(*row_args), **interleaved(fns, ROUNDS)}
+        res["time"].append(row)
+        print({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()}, f"{time.time() - T0:.0f}s",
+              flush=True)
+        save()
+print("done", f"{time.time() - T0:.0f}s")
