@@ -14,7 +14,9 @@ with its plans, cuBLAS bf16 and W4A16 in the same rounds.
 
     PYTHONPATH=$PWD:$PWD/.peers:$PWD/benchmarks python benchmarks/w4a4_pdl_h200.py   # $OUT/w4a4_pdl_h200.json
 
-Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON.
+Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
+"plain,pdl"; also pdl_end: the quantize kernel signals after its stores; *_nosplit: the summing pass
+launched plainly), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import peers_h200 as peers
 from _rounds import graph_replays, interleaved, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
+from fp4ptq.kernels import quantize_kernel
 
 dev = torch.device("cuda")
 T0 = time.time()
@@ -35,7 +38,6 @@ ROUNDS = int(os.environ.get("ROUNDS", "5"))
 PHASES = os.environ.get("PHASES", "checks,time,modules").split(",")
 out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("JSON", "w4a4_pdl_h200.json"))
 res = {"env": peers.env(), "w4a4_pdl": gm.w4a4_pdl(dev), "checks": [], "time": [], "modules": []}
-SHIPPED = gm.W4A4_PDL
 
 
 def save():
@@ -43,12 +45,19 @@ def save():
         json.dump(res, f, indent=1)
 
 
+# name: (W4A4_PDL, the quantize kernel's TRIGGER_AT, SPLIT_PDL)
+VARIANTS = {"plain": (False, 1, True), "pdl": (True, 1, True), "pdl_end": (True, 2, True),
+            "plain_nosplit": (False, 1, False), "pdl_nosplit": (True, 1, False)}
+TIMED = os.environ.get("VARIANTS", "plain,pdl").split(",")
+
+
 def variant(name, fn):
-    gm.W4A4_PDL = name == "pdl"
+    shipped = gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL
+    gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL = VARIANTS[name]
     try:
         return fn()
     finally:
-        gm.W4A4_PDL = SHIPPED
+        gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL = shipped
 
 
 g = torch.Generator(device=dev).manual_seed(0)
@@ -88,12 +97,17 @@ def label(name, m, bias, dtype, four_six):
             "path": gm._auto_path(m, dtype, True, SHAPES[name][1], dev, SHAPES[name][0])}
 
 
+ONLY = os.environ.get("ONLY")
+if ONLY:
+    ROWS = [r for r in ROWS if f"{r[0]}/{r[1]}" in ONLY.split(",")]
+
 if "checks" in PHASES:
     for row_args in ROWS:
         x, w, call = call_of(*row_args)
         base = variant("plain", call)
         row = label(*row_args)
-        row["pdl_equal"] = all(torch.equal(variant("pdl", call), base) for _ in range(5))
+        for v in TIMED[1:]:
+            row[f"{v}_equal"] = all(torch.equal(variant(v, call), base) for _ in range(5))
         row["rel_ref"] = rel(base, x.float() @ w.dequantize(torch.float32).T) if not row_args[2] else None
         res["checks"].append(row)
         print(row, flush=True)
@@ -169,8 +183,8 @@ if "time" in PHASES:
         x, w, call = call_of(*row_args)
         _, wb = weight(*SHAPES[row_args[0]])
         xb = x.to(torch.bfloat16)
-        fns = {"plain": lambda call=call: variant("plain", call), "pdl": lambda call=call: variant("pdl", call),
-               "w4a16": lambda x=x, w=w: gm.linear_w4a16(x, w), "cublas_bf16": lambda: xb @ wb.T}
+        fns = {v: (lambda call=call, v=v: variant(v, call)) for v in TIMED}
+        fns.update({"w4a16": lambda x=x, w=w: gm.linear_w4a16(x, w), "cublas_bf16": lambda: xb @ wb.T})
         row = {**label(*row_args), **interleaved(fns, ROUNDS)}
         res["time"].append(row)
         print({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()}, f"{time.time() - T0:.0f}s",

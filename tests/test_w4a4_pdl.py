@@ -55,9 +55,10 @@ QUANT_TYPES = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "enc_ptr": "*fp32", "packe
                "chose_ptr": "*i8", "scaled_ptr": "*bf16"}
 
 
-@pytest.mark.parametrize("trigger", [False, True])
+@pytest.mark.parametrize("trigger", [0, 1, 2])
 @pytest.mark.parametrize("kernel", ["quant16", "fp32"])
 def test_quantize_kernels_signal_the_gemm_after_them_when_told(kernel, trigger):
+    """TRIGGER 1: as the program starts; 2: after its last store."""
     common = dict(FOUR_SIX=0, EMIT_PACKED=False, EMIT_SCALED=True, TRIGGER=trigger)
     if kernel == "quant16":
         ce = dict(common, F16=False, ASM=True, BLOCK_M=1, BLOCKS_K=128, TABLE=False, WORD_MAJOR=False)
@@ -66,9 +67,11 @@ def test_quantize_kernels_signal_the_gemm_after_them_when_told(kernel, trigger):
         ce = dict(common, BLOCK_M=1, BLOCKS_K=32)
         k = compile_for(quantize_kernel._quantize_kernel, QUANT_TYPES, ce, num_warps=4, enable_fp_fusion=False)
     ptx = k.asm["ptx"]
-    assert ("griddepcontrol.launch_dependents" in ptx) == trigger
-    if trigger:  # as it starts: before its first load
+    assert ptx.count("griddepcontrol.launch_dependents") == (trigger > 0)
+    if trigger == 1:  # as it starts: before its first load
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+    if trigger == 2:  # after the last store
+        assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("st.global")
 
 
 def _weight(n=256, k=512, seed=0):
