@@ -4,7 +4,8 @@
 Variants:
   plain  the quantize launch, then mma.py launched plainly (FP4PTQ_W4A4_PDL=0; as before this change)
   pdl    the quantize kernel signals griddepcontrol.launch_dependents as it starts; mma.py launches as its
-         programmatic dependent and copies its first weight steps before griddepcontrol.wait (shipped)
+         programmatic dependent and copies its first weight steps before griddepcontrol.wait
+  rule   pdl only where mma.py's grid has at most one program an SM (gemm.w4a4_pairs; shipped)
 
 Checks first: ``pdl`` bit-equal to ``plain`` on every row (5 calls each), a graph-replayed chain of 10
 dependent calls (x_{i+1} = y_i / 2) bit-equal to the plain eager chain, and NVFP4Linear's launch plans
@@ -15,8 +16,8 @@ with its plans, cuBLAS bf16 and W4A16 in the same rounds.
     PYTHONPATH=$PWD:$PWD/.peers:$PWD/benchmarks python benchmarks/w4a4_pdl_h200.py   # $OUT/w4a4_pdl_h200.json
 
 Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
-"plain,pdl"; also pdl_end: the quantize kernel signals after its stores; *_nosplit: the summing pass
-launched plainly), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
+"plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); *_nosplit:
+the summing pass launched plainly), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import peers_h200 as peers
 from _rounds import graph_replays, interleaved, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
-from fp4ptq.kernels import quantize_kernel
+from fp4ptq.kernels import mma
 
 dev = torch.device("cuda")
 T0 = time.time()
@@ -45,19 +46,26 @@ def save():
         json.dump(res, f, indent=1)
 
 
-# name: (W4A4_PDL, the quantize kernel's TRIGGER_AT, SPLIT_PDL)
-VARIANTS = {"plain": (False, 1, True), "pdl": (True, 1, True), "pdl_end": (True, 2, True),
-            "plain_nosplit": (False, 1, False), "pdl_nosplit": (True, 1, False)}
-TIMED = os.environ.get("VARIANTS", "plain,pdl").split(",")
+# name: (W4A4_PDL, the pairing for every mma.py grid (else the shipped rule, gemm.w4a4_pairs), SPLIT_PDL).
+# results/w4a4_pdl_h200_v2.json also has "pdl_end" (the quantize kernel signalling after its stores,
+# level everywhere; measured at 848d9db, no longer built).
+VARIANTS = {"plain": (False, True, True), "pdl": (True, True, True), "rule": (True, False, True),
+            "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False), "pdl_wait0": (True, True, True)}
+TIMED = os.environ.get("VARIANTS", "plain,pdl,rule").split(",")
+_RULE = gm.w4a4_pairs
 
 
 def variant(name, fn):
-    shipped = gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL
-    gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL = VARIANTS[name]
+    pdl, every, split = VARIANTS[name]
+    shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL
+    gm.W4A4_PDL, gm.SPLIT_PDL = pdl, split
+    gm.w4a4_pairs = (lambda m, n, k, device: gm.w4a4_pdl(device)) if every else _RULE
+    mma.WAIT_MODE = 2 if name == "pdl_wait0" else 1  # pdl_wait0: nothing copied before the wait
     try:
         return fn()
     finally:
-        gm.W4A4_PDL, quantize_kernel.TRIGGER_AT, gm.SPLIT_PDL = shipped
+        gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL = shipped
+        mma.WAIT_MODE = 1
 
 
 g = torch.Generator(device=dev).manual_seed(0)
@@ -72,7 +80,8 @@ def weight(n, k):
 
 
 SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
-          "70B.down": (8192, 28672), "70B.gate_up": (57344, 8192), "Qwen2-7B.o": (3584, 3584)}
+          "70B.down": (8192, 28672), "70B.gate_up": (57344, 8192), "Qwen2-7B.o": (3584, 3584),
+          "8B.k": (1024, 4096), "Phi-3-mini.o": (3072, 3072)}
 # (layer, M, bias, dtype, Four Over Six)
 ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
     ("8B.o", 3, False, torch.bfloat16, None), ("8B.qkv", 3, False, torch.bfloat16, None),
@@ -80,7 +89,9 @@ ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
     ("8B.o", 32, False, torch.bfloat16, None), ("8B.qkv", 32, False, torch.bfloat16, None),
     ("8B.o", 64, False, torch.bfloat16, None), ("8B.gate_up", 2, False, torch.bfloat16, None),
     ("8B.o", 16, True, torch.bfloat16, None), ("8B.o", 16, False, torch.float16, None),
-    ("8B.o", 16, False, torch.bfloat16, "mse"), ("8B.down", 16, True, torch.float16, "mse")]
+    ("8B.o", 16, False, torch.bfloat16, "mse"), ("8B.down", 16, True, torch.float16, "mse"),
+    ("8B.k", 8, False, torch.bfloat16, None), ("Phi-3-mini.o", 8, False, torch.bfloat16, None),
+    ("Qwen2-7B.o", 4, False, torch.bfloat16, None), ("Qwen2-7B.o", 16, True, torch.float16, "mse")]
 
 
 def call_of(name, m, bias, dtype, four_six):
@@ -93,8 +104,10 @@ def call_of(name, m, bias, dtype, four_six):
 
 
 def label(name, m, bias, dtype, four_six):
+    n, k = SHAPES[name]
     return {"layer": name, "m": m, "bias": bias, "dtype": str(dtype).replace("torch.", ""), "four_six": four_six,
-            "path": gm._auto_path(m, dtype, True, SHAPES[name][1], dev, SHAPES[name][0])}
+            "path": gm._auto_path(m, dtype, True, k, dev, n), "mma_programs": mma.programs(m, n, k, gm._sm_count(dev)),
+            "paired": gm.w4a4_pairs(m, n, k, dev)}
 
 
 ONLY = os.environ.get("ONLY")

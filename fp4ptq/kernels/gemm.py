@@ -1447,9 +1447,25 @@ def split_pdl(device: torch.device) -> bool:
 
 
 def w4a4_pdl(device: torch.device) -> bool:
-    """Whether W4A4's activation quantize launch signals mma.py, which launches as its programmatic
-    dependent (``FP4PTQ_W4A4_PDL`` and ``_pdl_possible``)."""
+    """Whether W4A4's activation quantize launch may signal mma.py, which then launches as its
+    programmatic dependent (``FP4PTQ_W4A4_PDL`` and ``_pdl_possible``; ``w4a4_pairs`` decides per shape)."""
     return W4A4_PDL and _pdl_possible(device)
+
+
+def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether W4A4's mma.py launch for M rows of an [N, K] weight is the programmatic dependent of its
+    quantize launch: ``w4a4_pdl``, and mma.py's grid has at most one program an SM. The dependent's
+    programs are placed while the quantize programs still run; on larger grids that placement measured
+    uneven enough to cost up to 9 us (8B down at M = 16, 256 programs: 21.9 -> 30.9 us), while on grids
+    of at most one program an SM it gained (Qwen2-7B o at M = 16, 112 programs: 10.73 -> 9.79);
+    signalling after the quantize stores instead was level everywhere (H200, session 25,
+    results/w4a4_pdl_h200_v*.json)."""
+    if not w4a4_pdl(device):
+        return False
+    from . import mma
+
+    sms = _sm_count(device)
+    return mma.programs(m, n, k, sms) <= sms
 
 
 def _device_index(device: torch.device) -> int:
@@ -1871,7 +1887,8 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     else:
         # mma.py launches as the quantize launch's programmatic dependent where it reads the weight's own
         # buffers (a copy made between the two would be read before its wait)
-        pair = requested is None and path == "mma" and _weight_in_place(weight) and w4a4_pdl(x2.device)
+        pair = (requested is None and path == "mma" and _weight_in_place(weight)
+                and w4a4_pairs(x2.shape[0], weight.shape[0], x2.shape[1], x2.device))
         xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six, trigger=pair)
         # an automatic choice stays one (a failed mma launch can fall back)
         y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None, dependent=pair)
@@ -1928,7 +1945,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
             if qwords is None:
                 return None
         # mma.py as the quantize launch's programmatic dependent (the weight views are its own buffers here)
-        pair = path == "mma" and w4a4_pdl(device)
+        pair = path == "mma" and w4a4_pairs(m, n, k, device)
         quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None, pair)
         x_enc, slots = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6)
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor

@@ -254,9 +254,9 @@ def _quantize_kernel(
     x_ptr, amax_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
     M, K, stride_xm, stride_sm,
     FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TRIGGER: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER == 1:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
         _gdc_launch_dependents()
     # One program: BLOCK_M rows x BLOCKS_K blocks of 16 columns. Each block is
     # loaded as two halves of 8 so that one thread holds a whole block: the
@@ -290,8 +290,6 @@ def _quantize_kernel(
         qofs = rows64[:, None, None] * stride_sm + (blocks * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
         tl.store(scaled_ptr + qofs, signed_scaled(ia, xa, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
         tl.store(scaled_ptr + qofs + 8, signed_scaled(ib, xb, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
-    if TRIGGER == 2:  # (TRIGGER_AT) ... once this program's stores are issued
-        _gdc_launch_dependents()
 
 
 # ---------------------------------------------------------------------------
@@ -805,9 +803,9 @@ def _quantize16_kernel(
     M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
     F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
-    WORD_MAJOR: tl.constexpr, TRIGGER: tl.constexpr = 0,
+    WORD_MAJOR: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER == 1:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
         _gdc_launch_dependents()
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
@@ -852,8 +850,6 @@ def _quantize16_kernel(
         rows64 = nrows64
         blocks = nblk
         mask2 = nmask
-    if TRIGGER == 2:  # (TRIGGER_AT) ... once this program's stores are issued
-        _gdc_launch_dependents()
 
 
 def _tile(m: int, k: int) -> tuple[int, int, int]:
@@ -1030,11 +1026,6 @@ def _returned(outs: tuple) -> tuple:
     return packed, scale, enc, None if chose is None else chose.bool()
 
 
-# Where a quantize launch that signals its dependent GEMM does so: 1 as each program starts, 2 once its
-# stores are issued (H200 comparison in benchmarks/NOTES.md, twenty-fifth pass).
-TRIGGER_AT = 1
-
-
 def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torch.Tensor, four_six: Optional[str],
                       emit: str, out_dtype: Optional[torch.dtype], trigger: bool = False):
     """``launch_quantize``'s launch for inputs shaped like ``x`` (``words``: its int32 view for the 16-bit
@@ -1047,7 +1038,7 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
     dev, dtype = x.device, x.dtype
     sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)
     kwargs = dict(FOUR_SIX=FOUR_SIX_CODES[four_six], EMIT_PACKED=emit == "packed", EMIT_SCALED=emit == "scaled",
-                  TRIGGER=TRIGGER_AT if trigger else 0, enable_fp_fusion=False)
+                  TRIGGER=bool(trigger), enable_fp_fusion=False)
     table_size = 0
     if words is not None:
         block_m, blocks_k, warps = _tile16(m, k)
