@@ -81,7 +81,8 @@ def weight(n, k):
 
 SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
           "70B.down": (8192, 28672), "70B.gate_up": (57344, 8192), "Qwen2-7B.o": (3584, 3584),
-          "8B.k": (1024, 4096), "Phi-3-mini.o": (3072, 3072)}
+          "8B.k": (1024, 4096), "Phi-3-mini.o": (3072, 3072), "Qwen2-7B.qkv": (4608, 3584),
+          "Gemma-2-9B.o": (3584, 4096), "SmolLM2.qkv": (960, 576), "Phi-3-mini.qkv": (9216, 3072)}
 # (layer, M, bias, dtype, Four Over Six)
 ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
     ("8B.o", 3, False, torch.bfloat16, None), ("8B.qkv", 3, False, torch.bfloat16, None),
@@ -91,7 +92,11 @@ ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
     ("8B.o", 16, True, torch.bfloat16, None), ("8B.o", 16, False, torch.float16, None),
     ("8B.o", 16, False, torch.bfloat16, "mse"), ("8B.down", 16, True, torch.float16, "mse"),
     ("8B.k", 8, False, torch.bfloat16, None), ("Phi-3-mini.o", 8, False, torch.bfloat16, None),
-    ("Qwen2-7B.o", 4, False, torch.bfloat16, None), ("Qwen2-7B.o", 16, True, torch.float16, "mse")]
+    ("Qwen2-7B.o", 4, False, torch.bfloat16, None), ("Qwen2-7B.o", 16, True, torch.float16, "mse"),
+    ("8B.k", 16, False, torch.bfloat16, None), ("8B.k", 32, False, torch.bfloat16, None),
+    ("Phi-3-mini.o", 16, False, torch.bfloat16, None), ("Qwen2-7B.qkv", 16, False, torch.bfloat16, None),
+    ("Gemma-2-9B.o", 16, False, torch.bfloat16, None), ("SmolLM2.qkv", 16, False, torch.bfloat16, None),
+    ("Phi-3-mini.qkv", 16, False, torch.bfloat16, None)]
 
 
 def call_of(name, m, bias, dtype, four_six):
@@ -107,6 +112,7 @@ def label(name, m, bias, dtype, four_six):
     n, k = SHAPES[name]
     return {"layer": name, "m": m, "bias": bias, "dtype": str(dtype).replace("torch.", ""), "four_six": four_six,
             "path": gm._auto_path(m, dtype, True, k, dev, n), "mma_programs": mma.programs(m, n, k, gm._sm_count(dev)),
+            "mma_steps": (lambda c: c[4] // c[2])(mma.config(m, n, k, gm._sm_count(dev))),
             "paired": gm.w4a4_pairs(m, n, k, dev)}
 
 

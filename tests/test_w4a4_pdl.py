@@ -134,20 +134,20 @@ def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
     assert seen == {"trigger": path == "mma" and pdl, "dependent": path == "mma" and pdl}
 
 
-@pytest.mark.parametrize("n,k,sms,paired", [
-    (3584, 3584, 132, True),   # Qwen2-7B o at M = 16: 56 row tiles x 2 K ranges = 112 programs
-    (1024, 4096, 132, True),   # 8B k / v: 16 x 4 = 64
-    (4096, 14336, 132, False),  # 8B down: 32 x 8 = 256 (the dependent measured 9 us slower there)
-    (4096, 4096, 132, False),   # 8B o: 64 x 4 = 256
-    (3584, 3584, 100, False),   # the same 112 programs on a GPU of 100 SMs
+@pytest.mark.parametrize("m,n,k,paired", [
+    (16, 3584, 3584, True),    # Qwen2-7B o: K ranges of 512 = 4 steps of 128 (gained 9% on the H200)
+    (8, 1024, 4096, True),     # 8B k / v: 4 steps
+    (16, 3072, 3072, True),    # Phi-3-mini o: 4 steps
+    (16, 4096, 14336, False),  # 8B down: 14 steps (the dependent measured 41% slower)
+    (16, 4096, 4096, False),   # 8B o: 8 steps
+    (32, 1024, 4096, False),   # 8B k at M = 32: 512 K in steps of 64 = 8
 ])
-def test_w4a4_pairs_only_grids_of_at_most_one_program_an_sm(monkeypatch, n, k, sms, paired):
+def test_w4a4_pairs_only_where_mma_programs_take_few_k_steps(monkeypatch, m, n, k, paired):
     monkeypatch.setattr(gm, "w4a4_pdl", lambda device: True)
-    monkeypatch.setattr(gm, "_sm_count", lambda device: sms)
-    assert mma.programs(16, n, k, sms) <= sms or not paired
-    assert gm.w4a4_pairs(16, n, k, torch.device("cuda", 0)) is paired
-    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: False)
-    assert gm.w4a4_pairs(16, n, k, torch.device("cuda", 0)) is False
+    monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
+    assert gm.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is paired
+    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
+    assert gm.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is False
 
 
 def _mma_launch_kwargs(monkeypatch, dependent: bool, stages: int):
