@@ -135,14 +135,17 @@ def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
 
 
 @pytest.mark.parametrize("m,n,k,paired", [
-    (16, 3584, 3584, True),    # Qwen2-7B o: K ranges of 512 = 4 steps of 128 (gained 9% on the H200)
-    (8, 1024, 4096, True),     # 8B k / v: 4 steps
-    (16, 3072, 3072, True),    # Phi-3-mini o: 4 steps
-    (16, 4096, 14336, False),  # 8B down: 14 steps (the dependent measured 41% slower)
-    (16, 4096, 4096, False),   # 8B o: 8 steps
-    (32, 1024, 4096, False),   # 8B k at M = 32: 512 K in steps of 64 = 8
+    (16, 3584, 3584, True),     # Qwen2-7B o: 392 programs of 4 K steps (gained 10% on the H200)
+    (16, 3072, 3072, True),     # Phi-3-mini o: 288 programs of 4 steps (11%)
+    (16, 4608, 3584, True),     # Qwen2-7B qkv: 144 programs, about one an SM (6%)
+    (32, 1024, 4096, True),     # 8B k at M = 32: 128 programs of 8 steps of 64 (5%)
+    (16, 57344, 8192, True),    # 70B gate_up: 448 programs of 4 warps fill the slots (3.5%)
+    (16, 4096, 14336, False),   # 8B down: 256 programs of 14 steps (41% slower)
+    (16, 4096, 4096, False),    # 8B o: 256 of 8 steps (12% slower)
+    (16, 3584, 4096, False),    # Gemma-2-9B o: 224 of 8 steps (12% slower)
+    (16, 6144, 4096, False),    # 8B qkv: 384 of 8 steps (level)
 ])
-def test_w4a4_pairs_only_where_mma_programs_take_few_k_steps(monkeypatch, m, n, k, paired):
+def test_w4a4_pairs_only_the_grids_where_it_measured_faster(monkeypatch, m, n, k, paired):
     monkeypatch.setattr(gm, "w4a4_pdl", lambda device: True)
     monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
     assert gm.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is paired

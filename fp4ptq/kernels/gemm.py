@@ -1427,7 +1427,6 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
 # GPU (``dependent_or_plain``).
 SPLIT_PDL = os.environ.get("FP4PTQ_SPLIT_PDL", "1") == "1"
 W4A4_PDL = os.environ.get("FP4PTQ_W4A4_PDL", "1") == "1"
-W4A4_PDL_MAX_STEPS = 4  # (w4a4_pairs)
 _PDL_FAILED: dict = {}  # device index -> why a dependent launch failed there (no more are tried)
 
 
@@ -1455,19 +1454,23 @@ def w4a4_pdl(device: torch.device) -> bool:
 
 def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether W4A4's mma.py launch for M rows of an [N, K] weight is the programmatic dependent of its
-    quantize launch: ``w4a4_pdl``, and each mma.py program takes at most 4 K steps (``mma.config``).
-    An empirical rule (H200, session 25, results/w4a4_pdl_h200_v*.json, plain -> dependent): layers
-    whose programs take 4 steps gained 8-12% (Qwen2-7B o at M = 16 10.68 -> 9.76 us, Phi-3-mini o at
-    M = 8 9.31 -> 8.27, 8B k at M = 8 7.98 -> 7.20), while 8-16 steps lost up to 41% (8B down at M = 16
-    21.9 -> 30.8, 8B o 10.6 -> 11.9, 8B qkv at M = 32 17.6 -> 23.4); the very long 70B programs gained
-    0.5-3%. Not the weight copies before the wait (waiting first lost as much) nor the dependent
-    summing pass; the cause was not found."""
+    quantize launch: ``w4a4_pdl``, and mma.py's grid (``mma.config``) is one where that measured faster.
+    An empirical rule (H200, session 25, results/w4a4_pdl_h200_v*.json, plain -> dependent, us):
+    grids of at most about one program an SM gained (Qwen2-7B qkv at M = 16, 144 programs: 12.91 ->
+    12.19; 8B k at M = 32, 128: 9.81 -> 9.31; SmolLM2 qkv, 15: 6.96 -> 6.16), so did programs of at most
+    4 K steps (Qwen2-7B o, 392 programs: 10.76 -> 9.70; Phi-3-mini o, 288: 9.84 -> 8.71) and grids that
+    fill the SMs' slots (70B gate_up, 448 programs of 4 warps: 127.6 -> 123.1; 70B down, 512: -0.5 to
+    -0.8); grids of 224-384 programs of 8-16 steps lost up to 41% (8B down at M = 16: 21.7 -> 30.6; 8B o
+    10.5 -> 11.8; Gemma-2-9B o 10.5 -> 11.7) and stay plain. Not the weight copies before the wait
+    (waiting first lost as much) nor the dependent summing pass; the cause was not found."""
     if not w4a4_pdl(device):
         return False
     from . import mma
 
-    _, _, bk, _, k_split, _ = mma.config(m, n, k, _sm_count(device))
-    return k_split // bk <= W4A4_PDL_MAX_STEPS
+    sms = _sm_count(device)
+    _, _, bk, _, k_split, _ = mma.config(m, n, k, sms)
+    programs = mma.programs(m, n, k, sms)
+    return programs * 10 <= sms * 11 or k_split // bk <= 4 or programs * 4 >= sms * 13
 
 
 def _device_index(device: torch.device) -> int:
