@@ -48,9 +48,10 @@ def save():
 
 # name: (W4A4_PDL, the pairing for every mma.py grid (else the shipped rule, gemm.w4a4_pairs), SPLIT_PDL).
 # results/w4a4_pdl_h200_v2.json also has "pdl_end" (the quantize kernel signalling after its stores,
-# level everywhere; measured at 848d9db, no longer built).
+# level everywhere; measured at 848d9db) and v3 "pdl_wait0" (mma.py waiting before any copy, as slow as
+# pdl where pdl loses; measured at 721cbfd): neither is built any more.
 VARIANTS = {"plain": (False, True, True), "pdl": (True, True, True), "rule": (True, False, True),
-            "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False), "pdl_wait0": (True, True, True)}
+            "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False)}
 TIMED = os.environ.get("VARIANTS", "plain,pdl,rule").split(",")
 _RULE = gm.w4a4_pairs
 
@@ -60,12 +61,10 @@ def variant(name, fn):
     shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL
     gm.W4A4_PDL, gm.SPLIT_PDL = pdl, split
     gm.w4a4_pairs = (lambda m, n, k, device: gm.w4a4_pdl(device)) if every else _RULE
-    mma.WAIT_MODE = 2 if name == "pdl_wait0" else 1  # pdl_wait0: nothing copied before the wait
     try:
         return fn()
     finally:
         gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL = shipped
-        mma.WAIT_MODE = 1
 
 
 g = torch.Generator(device=dev).manual_seed(0)

@@ -244,12 +244,10 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = 0,
+    TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = False,
 ):
     if TRIGGER:  # K split (gemm.split_pdl): the summing pass, a programmatic dependent, may launch now
         _launch_dependents()
-    if WAIT == 2:  # (a probe) the wait before anything is read
-        _grid_wait()
     # WAIT (gemm.w4a4_pdl): launched as the programmatic dependent of the quantize launch that writes the
     # activations (and their global scale): the ring's first weight and scale copies are issued before
     # griddepcontrol.wait, everything that reads x, x_enc or writes y after it. (The quantize kernel
@@ -288,7 +286,7 @@ def _mma_kernel(
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
         xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
         xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
-        if WAIT == 1:  # the weight steps first (uncommitted: they join the first commit group), then the wait
+        if WAIT:  # the weight steps first (uncommitted: they join the first commit group), then the wait
             for i in gl.static_range(STAGES - 1):
                 kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
                 _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
@@ -341,7 +339,6 @@ def _mma_kernel(
 
 
 MAX_M = 64
-WAIT_MODE = 1  # a dependent launch: 1 copies the first weight steps before griddepcontrol.wait, 2 none
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
@@ -443,14 +440,14 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     target = split_workspace(splits, y)
     has_bias = bias is not None
     trigger = splits > 1 and split_pdl(x2.device)
-    wait = (WAIT_MODE if dependent else 0) if stages >= 2 else 0  # (the register-prefetch modes read x at once)
+    wait = bool(dependent) and stages >= 2  # (the register-prefetch modes read x from their first load)
     launch = Launch(
         _mma_kernel, (cdiv(n, bn), splits),
         (x2, words, sbits, enc, x_enc if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
              BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             TRIGGER=trigger, WAIT=wait, launch_pdl=wait > 0, num_warps=warps))
+             TRIGGER=trigger, WAIT=wait, launch_pdl=wait, num_warps=warps))
     run = split_run(launch, splits, y, bias, trigger)
     if not wait:
         return run
