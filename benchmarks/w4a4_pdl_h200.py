@@ -15,6 +15,9 @@ with its plans, cuBLAS bf16 and W4A16 in the same rounds.
 
     PYTHONPATH=$PWD:$PWD/.peers:$PWD/benchmarks python benchmarks/w4a4_pdl_h200.py   # $OUT/w4a4_pdl_h200.json
 
+Results: results/w4a4_pdl_h200_v1.json .. v5.json (the variants of each run in benchmarks/NOTES.md,
+twenty-fifth pass).
+
 Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
 "plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); *_nosplit:
 the summing pass launched plainly), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
