@@ -20,7 +20,7 @@ twenty-fifth pass).
 
 Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
 "plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); *_nosplit:
-the summing pass launched plainly), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
+the summing pass launched plainly; *_cap: at most ceil(programs / SMs) mma.py programs fit an SM), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
 """
 from __future__ import annotations
 
@@ -53,10 +53,23 @@ def save():
 # results/w4a4_pdl_h200_v2.json also has "pdl_end" (the quantize kernel signalling after its stores,
 # level everywhere; measured at 848d9db) and v3 "pdl_wait0" (mma.py waiting before any copy, as slow as
 # pdl where pdl loses; measured at 721cbfd): neither is built any more.
+# *_cap: mma.py's ring made deep enough (shared memory) that at most ceil(programs / SMs) programs fit an SM,
+# so the block scheduler cannot place more than that on one SM (a probe of the placement suspicion).
 VARIANTS = {"plain": (False, True, True), "pdl": (True, True, True), "rule": (True, False, True),
-            "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False)}
+            "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False),
+            "plain_cap": (False, True, True), "pdl_cap": (True, True, True)}
 TIMED = os.environ.get("VARIANTS", "plain,pdl,rule").split(",")
 _RULE = gm.w4a4_pairs
+_CONFIG = mma.config
+SMEM_SM = 228 * 1024  # shared memory an H200 SM holds
+
+
+def capped_config(m, n, k, sms=132):
+    """mma.config with a ring of at least SMEM_SM / (cap + 1/2) bytes, cap = ceil(programs / SMs)."""
+    bn, bm, bk, warps, k_split, stages = _CONFIG(m, n, k, sms)
+    cap = -(-(-(-n // bn) * -(-k // k_split)) // sms)
+    per_stage = bn * bk // 2 + bn * bk // 16 + bk * bm * 2
+    return bn, bm, bk, warps, k_split, max(stages, -(-int(SMEM_SM / (cap + 0.5)) // per_stage))
 
 
 def variant(name, fn):
@@ -64,10 +77,12 @@ def variant(name, fn):
     shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL
     gm.W4A4_PDL, gm.SPLIT_PDL = pdl, split
     gm.w4a4_pairs = (lambda m, n, k, device: gm.w4a4_pdl(device)) if every else _RULE
+    mma.config = capped_config if name.endswith("_cap") else _CONFIG
     try:
         return fn()
     finally:
         gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL = shipped
+        mma.config = _CONFIG
 
 
 g = torch.Generator(device=dev).manual_seed(0)
