@@ -1458,19 +1458,22 @@ def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
     An empirical rule (H200, session 25, results/w4a4_pdl_h200_v*.json, plain -> dependent, us):
     grids of at most about one program an SM gained (Qwen2-7B qkv at M = 16, 144 programs: 12.91 ->
     12.19; 8B k at M = 32, 128: 9.81 -> 9.31; SmolLM2 qkv, 15: 6.96 -> 6.16), so did programs of at most
-    4 K steps (Qwen2-7B o, 392 programs: 10.76 -> 9.70; Phi-3-mini o, 288: 9.84 -> 8.71) and grids that
-    fill the SMs' slots (70B gate_up, 448 programs of 4 warps: 127.6 -> 123.1; 70B down, 512: -0.5 to
+    4 K steps (Qwen2-7B o, 392 programs: 10.76 -> 9.70; Phi-3-mini o, 288: 9.84 -> 8.71) and grids whose
+    warps fill the SMs (70B gate_up, 448 programs of 4 warps: 127.6 -> 123.1; 70B down, 512: -0.5 to
     -0.8); grids of 224-384 programs of 8-16 steps lost up to 41% (8B down at M = 16: 21.7 -> 30.6; 8B o
-    10.5 -> 11.8; Gemma-2-9B o 10.5 -> 11.7) and stay plain. Not the weight copies before the wait
-    (waiting first lost as much) nor the dependent summing pass; the cause was not found."""
+    10.5 -> 11.8; Gemma-2-9B o 10.5 -> 11.7) and stay plain. The likely cause (v6): the early-launched
+    programs are placed unevenly while the quantize programs still hold the SMs; with at most a fair
+    share of programs fitting an SM the dependent launch was faster on those grids too."""
     if not w4a4_pdl(device):
         return False
     from . import mma
 
     sms = _sm_count(device)
-    _, _, bk, _, k_split, _ = mma.config(m, n, k, sms)
+    _, _, bk, warps, k_split, _ = mma.config(m, n, k, sms)
     programs = mma.programs(m, n, k, sms)
-    return programs * 10 <= sms * 11 or k_split // bk <= 4 or programs * 4 >= sms * 13
+    # at most 1.1 programs an SM, at most 4 K steps a program, or at least 13 warps an SM (of the 16 the
+    # 128-register builds can hold)
+    return programs * 10 <= sms * 11 or k_split // bk <= 4 or programs * warps >= sms * 13
 
 
 def _device_index(device: torch.device) -> int:

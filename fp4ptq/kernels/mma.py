@@ -399,9 +399,9 @@ def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torc
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16 x, M <= 64, K % 64 == 0) from the
     packed weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc``
     its global scale); ``x_enc``: the activations' global scale (W4A4), or None.
-    ``dependent``: see ``launches`` (the operands must then need no copy)."""
-    if dependent:
-        x2, sbits = aligned_operands(x2, sbits, copy=False)
+    ``dependent``: see ``launches``; taken only where the operands need no copy (a copy launched
+    now would be read before the wait), else the plain launch."""
+    if dependent and operands_aligned(x2, sbits):
         return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, dependent=True)(x2, y)
     return run_once(launches, x2, words, sbits, enc, x_enc, bias, y, cfg)
 
@@ -461,15 +461,9 @@ def operands_aligned(x2: torch.Tensor, sbits: torch.Tensor) -> bool:
     return x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 and sbits.data_ptr() % 16 == 0
 
 
-def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor, copy: bool = True):
+def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
     """The activations with 16-byte aligned rows of unit stride and the scale bytes 16-byte
-    aligned, copied only if not (``copy=False``: raise instead; a programmatic dependent must not
-    read a copy of the weight made just before it)."""
-    if operands_aligned(x2, sbits):
-        return x2, sbits
-    if not copy:
-        raise ValueError("mma: misaligned operands for a programmatic dependent launch (the caller checks "
-                         "operands_aligned first)")
+    aligned (``operands_aligned``), copied only if not."""
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if sbits.data_ptr() % 16:

@@ -58,12 +58,12 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from ._ints import cdiv, next_pow2
+from ._launch import Launch, cuda_sm_count
 
 try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
 except ImportError:  # pragma: no cover - an older Triton: gemm.w4a4_pdl is False there
     _gdc_launch_dependents = None
-from ._launch import Launch, cuda_sm_count
 
 # Four Over Six rule -> kernel constant (0: standard scale-to-6 only).
 FOUR_SIX_CODES = {None: 0, "mse": 1, "mae": 2, "max": 3}
