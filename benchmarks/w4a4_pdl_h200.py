@@ -19,7 +19,8 @@ Results: results/w4a4_pdl_h200_v1.json .. v5.json (the variants of each run in b
 twenty-fifth pass).
 
 Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
-"plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); *_nosplit:
+"plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); gemv: the
+rule and W4A4's gemv6 at M = 1-2 paired too (FP4PTQ_W4A4_PDL_GEMV=1); *_nosplit:
 the summing pass launched plainly; *_cap: at most ceil(programs / SMs) mma.py programs fit an SM), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
 """
 from __future__ import annotations
@@ -55,9 +56,10 @@ def save():
 # pdl where pdl loses; measured at 721cbfd): neither is built any more.
 # *_cap: mma.py's ring made deep enough (shared memory) that at most ceil(programs / SMs) programs fit an SM,
 # so the block scheduler cannot place more than that on one SM (a probe of the placement suspicion).
+# gemv: also pair W4A4's gemv6 (M = 1-2) with its quantize launch (gemm.W4A4_PDL_GEMV)
 VARIANTS = {"plain": (False, True, True), "pdl": (True, True, True), "rule": (True, False, True),
             "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False),
-            "plain_cap": (False, True, True), "pdl_cap": (True, True, True)}
+            "plain_cap": (False, True, True), "pdl_cap": (True, True, True), "gemv": (True, False, True)}
 TIMED = os.environ.get("VARIANTS", "plain,pdl,rule").split(",")
 _RULE = gm.w4a4_pairs
 _CONFIG = mma.config
@@ -74,14 +76,14 @@ def capped_config(m, n, k, sms=132):
 
 def variant(name, fn):
     pdl, every, split = VARIANTS[name]
-    shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL
-    gm.W4A4_PDL, gm.SPLIT_PDL = pdl, split
+    shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV
+    gm.W4A4_PDL, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV = pdl, split, name == "gemv"
     gm.w4a4_pairs = (lambda m, n, k, device: gm.w4a4_pdl(device)) if every else _RULE
     mma.config = capped_config if name.endswith("_cap") else _CONFIG
     try:
         return fn()
     finally:
-        gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL = shipped
+        gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV = shipped
         mma.config = _CONFIG
 
 
@@ -113,7 +115,10 @@ ROWS = [(name, 16, False, torch.bfloat16, None) for name in SHAPES] + [
     ("8B.k", 16, False, torch.bfloat16, None), ("8B.k", 32, False, torch.bfloat16, None),
     ("Phi-3-mini.o", 16, False, torch.bfloat16, None), ("Qwen2-7B.qkv", 16, False, torch.bfloat16, None),
     ("Gemma-2-9B.o", 16, False, torch.bfloat16, None), ("SmolLM2.qkv", 16, False, torch.bfloat16, None),
-    ("Phi-3-mini.qkv", 16, False, torch.bfloat16, None)]
+    ("Phi-3-mini.qkv", 16, False, torch.bfloat16, None)] + [
+    (name, m, False, torch.bfloat16, None) for m in (1, 2) for name in ("8B.qkv", "8B.o", "8B.gate_up", "70B.gate_up",
+                                                                         "Qwen2-7B.o", "Phi-3-mini.o", "8B.down")] + [
+    ("8B.qkv", 1, True, torch.float16, "mse"), ("8B.o", 1, False, torch.bfloat16, "mse")]
 
 
 def call_of(name, m, bias, dtype, four_six):
@@ -127,10 +132,12 @@ def call_of(name, m, bias, dtype, four_six):
 
 def label(name, m, bias, dtype, four_six):
     n, k = SHAPES[name]
+    path = gm._auto_path(m, dtype, True, k, dev, n)
     return {"layer": name, "m": m, "bias": bias, "dtype": str(dtype).replace("torch.", ""), "four_six": four_six,
-            "path": gm._auto_path(m, dtype, True, k, dev, n), "mma_programs": mma.programs(m, n, k, gm._sm_count(dev)),
+            "path": path, "mma_programs": mma.programs(m, n, k, gm._sm_count(dev)),
             "mma_steps": (lambda c: c[4] // c[2])(mma.config(m, n, k, gm._sm_count(dev))),
-            "paired": gm.w4a4_pairs(m, n, k, dev)}
+            "paired": gm.w4a4_pairs(m, n, k, dev) if path == "mma" else variant("gemv", lambda: gm.w4a4_pairs_gemv(
+                m, n, k, dev)) if path == "gemv6" else False}
 
 
 ONLY = os.environ.get("ONLY")

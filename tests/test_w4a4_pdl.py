@@ -170,7 +170,7 @@ def _mma_launch_kwargs(monkeypatch, dependent: bool, stages: int):
 @pytest.mark.parametrize("dependent,stages,waits", [(True, 3, True), (False, 3, False), (True, 0, False)])
 def test_mma_launches_wait_only_as_a_dependent_with_the_ring(monkeypatch, dependent, stages, waits):
     kwargs, _ = _mma_launch_kwargs(monkeypatch, dependent, stages)
-    assert (kwargs["WAIT"], kwargs["launch_pdl"]) == (waits, waits)
+    assert (kwargs.get("WAIT", False), kwargs.get("launch_pdl", False)) == (waits, waits)
 
 
 def test_mma_launches_plainly_where_the_operands_would_need_a_copy(monkeypatch):
@@ -268,3 +268,57 @@ def test_split_run_sums_plainly_when_its_dependent_pass_is_refused(monkeypatch, 
         out = run(torch.ones(2, 8), y)
     assert order == ["split kernel", "plain pass"]
     assert torch.equal(out, torch.full((2, 8), 3.0))
+
+
+GEMV6_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+               "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv6_loads_its_first_tile_before_waiting_and_x_after(prefetch):
+    ce = dict(HAS_BIAS=False, HAS_XENC=True, ROWS=4, KBP=256, EVEN_K=True, ALIGNED=True, EMULATE=False,
+              QUANT_X=False, FOUR_SIX=0, SPLIT=False, PREFETCH=prefetch, MULDEC=True, KB_C=256 if prefetch else 0,
+              F16=False, TRIGGER=False, WAIT=True)
+    ptx = compile_for(gm._gemv_resident_kernel, GEMV6_TYPES, ce, num_warps=2, launch_pdl=True).asm["ptx"]
+    plain = compile_for(gm._gemv_resident_kernel, GEMV6_TYPES, dict(ce, WAIT=False), num_warps=2).asm["ptx"]
+    assert "griddepcontrol.wait" not in plain
+    head, tail = ptx.split("griddepcontrol.wait")
+    loads = lambda text: len(re.findall(r"ld\.global", text))  # noqa: E731
+    if prefetch:  # the first row tile's codes and scales are in flight before the wait
+        assert loads(head) > 0
+    else:
+        assert loads(head) == 0
+    assert loads(tail) > 0 and loads(head) + loads(tail) == loads(plain)
+
+
+def test_gemv6_pairing_is_off_by_default_and_follows_its_knob(monkeypatch):
+    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    assert gm.W4A4_PDL_GEMV is False  # until measured on the H200 (FP4PTQ_W4A4_PDL_GEMV=1 turns it on)
+    assert not gm.w4a4_pairs_gemv(1, 6144, 4096, cuda)
+    monkeypatch.setattr(gm, "W4A4_PDL_GEMV", True)
+    assert gm.w4a4_pairs_gemv(1, 6144, 4096, cuda)  # gemv6
+    assert not gm.w4a4_pairs_gemv(1, 4096, 14336, cuda)  # 8B down streams x through gemv7: not paired
+
+
+@pytest.mark.parametrize("path,pdl,paired", [("gemv6", True, True), ("gemv6", False, False)])
+def test_w4a4_pairs_its_quantize_launch_with_gemv6_when_told(monkeypatch, path, pdl, paired):
+    seen = _record_eager(monkeypatch, path, False)
+    monkeypatch.setattr(gm, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
+    gm.linear_w4a4(torch.randn(1, 512, dtype=torch.bfloat16), _weight(), torch.tensor(3.0))
+    assert seen == {"trigger": paired, "dependent": paired, "path": path}
+
+
+def test_gemv6_dependent_build_and_its_plain_twin(monkeypatch, fresh_pdl_state):
+    built = []
+    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, trigger=False:
+                        built.append(launch.kwargs) or (lambda *t: t[-1]))
+    monkeypatch.setattr(gm, "_whole_wave_programs", lambda *a, **k: 132 * 4)
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    words, sbits = torch.zeros(6144, 512, dtype=torch.int32), torch.zeros(6144, 256, dtype=torch.uint8)
+    args = (x, words, sbits, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1, 6144, dtype=torch.bfloat16),
+            1, 6144, 4096, False, torch.ones(1))
+    gm._gemv6(*args)
+    gm._gemv6(*args, dependent=True)
+    assert "WAIT" not in built[0] and "launch_pdl" not in built[0]
+    assert built[1]["WAIT"] is True and built[1]["launch_pdl"] is True

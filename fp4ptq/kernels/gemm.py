@@ -680,7 +680,7 @@ def _gemv_resident_kernel(
     ROWS: tl.constexpr, KBP: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     EMULATE: tl.constexpr, QUANT_X: tl.constexpr, FOUR_SIX: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr = False, MULDEC: tl.constexpr = False, KB_C: tl.constexpr = 0, F16: tl.constexpr = False,
-    TRIGGER: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):
     # GEMV v6. The whole activation row lives in registers, as the bf16x2 pairs
     # gemv5 builds per step (8 int32 per 16-code block): loaded and packed
@@ -702,6 +702,8 @@ def _gemv_resident_kernel(
     # F16 (fp16 x, not QUANT_X): fp16x2 products on each block's x scaled by
     # 2^e (``_x_pairs_f16``), the block sums multiplied back by 2^-e.
     # TRIGGER (SPLIT, split_pdl): the summing pass, a programmatic dependent, may launch now.
+    # WAIT (w4a4_pairs_gemv): launched as the programmatic dependent of the quantize launch that writes x
+    # (and x_enc): the first row tile's weights (PREFETCH) are loaded before griddepcontrol.wait, x after.
     if TRIGGER:
         _gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -722,6 +724,8 @@ def _gemv_resident_kernel(
     ar = tl.arange(0, ROWS)
     if PREFETCH:
         blk, sb = _load_tile(w_ptr, s_ptr, pid, ROWS, ar, N, kb, ab, EVEN_K, KB_C)
+    if WAIT:
+        _gdc_wait()
     xrow = x_ptr + row * stride_xm
     if QUANT_X:
         offs = bidx[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
@@ -1372,11 +1376,13 @@ def _block_offsets_fit(n: int, k: int) -> bool:
 
 
 def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, *, amax=None,
-           four_six=None, slots=(0, 6)):
+           four_six=None, slots=(0, 6), dependent=False):
     """The resident-x GEMV's launches (``amax``: quantize x in the kernel, W4A4), K in segments
     (config) through an fp32 workspace and a summing pass: a callable ``run(*tensors) -> y`` taking
     the arguments at ``slots`` (x and y; the activations' global scale too in a W4A4 plan; y last).
-    Shapes ``_gemv7_config`` names run the streamed-x GEMV instead."""
+    Shapes ``_gemv7_config`` names run the streamed-x GEMV instead (plainly). ``dependent``: the
+    GEMV launches as the programmatic dependent of the quantize launch just before it, which
+    signalled it (``w4a4_pairs_gemv``; plainly, should the driver refuse that)."""
     if not _block_offsets_fit(n, k):
         raise ValueError(f"gemv6: a {n} x {k} weight has {n * cdiv(k, BLOCK_SIZE)} blocks, more than its "
                          f"32-bit offsets address ({GEMV6_MAX_BLOCKS}); use path 'gemv4' or 'mma'")
@@ -1406,12 +1412,19 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
                   enable_fp_fusion=not quant, PREFETCH=prefetch, MULDEC=_gemv6_muldec(n, k),
                   KB_C=_gemv6_kb_c(m, n, k, rows, segments, prefetch), F16=x2.dtype == torch.float16 and not quant,
                   TRIGGER=split and split_pdl(x2.device))
+    if dependent:
+        kwargs.update(WAIT=True, launch_pdl=True)
     if GEMV6_MAXNREG and not INTERPRET:
         kwargs["maxnreg"] = GEMV6_MAXNREG
     programs = _whole_wave_programs(_gemv_resident_kernel, args, (1, m, segments), kwargs, x2.device, per_sm)
     grid = (max(1, min(tiles, cdiv(programs, segments))), m, segments)
     launch = Launch(_gemv_resident_kernel, grid, args, slots, kwargs)
-    return split_run(launch, segments, y, bias_arg if has_bias else None, kwargs["TRIGGER"])
+    run = split_run(launch, segments, y, bias_arg if has_bias else None, kwargs["TRIGGER"])
+    if not dependent:
+        return run
+    return dependent_or_plain(run, lambda: _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias,
+                                                  x_enc, amax=amax, four_six=four_six, slots=slots),
+                              x2.device, "gemv6 after the quantize launch")
 
 
 # The summing pass of a K split launches as a programmatic dependent of the split kernel (sm_90 on)
@@ -1474,6 +1487,17 @@ def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
     # at most 1.1 programs an SM, at most 4 K steps a program, or at least 13 warps an SM (of the 16 the
     # 128-register builds can hold)
     return programs * 10 <= sms * 11 or k_split // bk <= 4 or programs * warps >= sms * 13
+
+
+# W4A4 at M = 1-2: the resident-x GEMV (gemv6) as the quantize launch's programmatic dependent, its first
+# row tile's weights loaded before the wait. Off until measured ("1": on where gemv6 itself runs).
+W4A4_PDL_GEMV = os.environ.get("FP4PTQ_W4A4_PDL_GEMV", "0") == "1"
+
+
+def w4a4_pairs_gemv(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether W4A4's gemv6 launch for M rows of an [N, K] weight is the programmatic dependent of its
+    quantize launch (``FP4PTQ_W4A4_PDL_GEMV`` and ``w4a4_pdl``; not where the streamed-x GEMV runs)."""
+    return W4A4_PDL_GEMV and w4a4_pdl(device) and _gemv7_config(m, n, k) is None
 
 
 def _device_index(device: torch.device) -> int:
@@ -1732,8 +1756,8 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     """``x2 [M, K] @ dequant(weight).T`` (/ x_enc) + bias -> [M, N] in x2's dtype
     (written into ``out`` when given: tests poison it first). ``amax`` (path
     "gemv6" only): x is raw and quantized inside the GEMV (W4A4, ``four_six``).
-    ``dependent`` (path "mma" only): launched as the programmatic dependent of the quantize
-    launch just before, which signalled it (``linear_w4a4``, ``w4a4_pdl``)."""
+    ``dependent`` (paths "mma" and "gemv6"): launched as the programmatic dependent of the quantize
+    launch just before, which signalled it (``linear_w4a4``: ``w4a4_pairs``, ``w4a4_pairs_gemv``)."""
     n, k, words, sbits, enc = _weight_views(weight)
     m = x2.shape[0]
     if x2.shape[1] != k:
@@ -1810,7 +1834,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             if x2.data_ptr() % 8 or x2.stride(0) % 4:  # x is read as 8-byte words
                 x2 = x2.clone(memory_format=torch.contiguous_format)
         return _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, amax=amax,
-                      four_six=four_six)(x2, y)
+                      four_six=four_six, dependent=dependent and amax is None)(x2, y)
     if path in ("gemv4", "gemv5"):
         block_n, block_b, warps = (_gemv4_config if path == "gemv4" else _gemv5_config)(m, n, k)
         kern = _gemv_blocks_kernel if path == "gemv4" else _gemv_bf16x2_kernel
@@ -1895,8 +1919,9 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     else:
         # mma.py launches as the quantize launch's programmatic dependent where it reads the weight's own
         # buffers (a copy made between the two would be read before its wait)
-        pair = (requested is None and path == "mma" and _weight_in_place(weight)
-                and w4a4_pairs(x2.shape[0], weight.shape[0], x2.shape[1], x2.device))
+        shape = (x2.shape[0], weight.shape[0], x2.shape[1], x2.device)
+        pair = requested is None and _weight_in_place(weight) and (
+            (path == "mma" and w4a4_pairs(*shape)) or (path == "gemv6" and w4a4_pairs_gemv(*shape)))
         xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six, trigger=pair)
         # an automatic choice stays one (a failed mma launch can fall back)
         y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None, dependent=pair)
@@ -1953,7 +1978,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
             if qwords is None:
                 return None
         # mma.py as the quantize launch's programmatic dependent (the weight views are its own buffers here)
-        pair = path == "mma" and w4a4_pairs(m, n, k, device)
+        pair = (path == "mma" and w4a4_pairs(m, n, k, device)) or (path == "gemv6" and w4a4_pairs_gemv(m, n, k, device))
         quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None, pair)
         x_enc, slots = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6)
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor
@@ -1962,7 +1987,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     if path == "gemv6" and x2.stride(0) % 4 == 0:
         align = 8  # x read as 8-byte words
         run = _gemv6(x2, words, sbits, enc, x_enc if w4a4 else enc, bias_arg, y, m, n, k, bias is not None, x_enc,
-                     slots=slots)
+                     slots=slots, dependent=pair)
     elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
         align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
