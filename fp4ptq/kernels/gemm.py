@@ -1490,14 +1490,19 @@ def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
 
 
 # W4A4 at M = 1-2: the resident-x GEMV (gemv6) as the quantize launch's programmatic dependent, its first
-# row tile's weights loaded before the wait. Off until measured ("1": on where gemv6 itself runs).
-W4A4_PDL_GEMV = os.environ.get("FP4PTQ_W4A4_PDL_GEMV", "0") == "1"
+# row tile's weights loaded before the wait (``w4a4_pairs_gemv``; "0" launches it plainly).
+W4A4_PDL_GEMV = os.environ.get("FP4PTQ_W4A4_PDL_GEMV", "1") == "1"
 
 
 def w4a4_pairs_gemv(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether W4A4's gemv6 launch for M rows of an [N, K] weight is the programmatic dependent of its
-    quantize launch (``FP4PTQ_W4A4_PDL_GEMV`` and ``w4a4_pdl``; not where the streamed-x GEMV runs)."""
-    return W4A4_PDL_GEMV and w4a4_pdl(device) and _gemv7_config(m, n, k) is None
+    quantize launch: ``FP4PTQ_W4A4_PDL_GEMV`` and ``w4a4_pdl``, on layers under 64M weights (gemv6's
+    small-layer configs), not where the streamed-x GEMV (gemv7) runs. H200, session 25
+    (results/w4a4_pdl_h200_v7.json, plain -> dependent, us): M = 1 8B qkv 8.89 -> 8.55, 8B o 7.71 ->
+    7.31, Qwen2-7B o 7.48 -> 7.08, Phi-3-mini o (K split) 7.55 -> 7.27, fp16 + mse + bias 8B qkv 9.54 ->
+    8.90; M = 2 8B qkv 12.57 -> 11.99, 8B o 10.48 -> 9.88; on the 64M-weight configs level or slower
+    (8B gate_up 23.30 -> 23.19, 70B gate_up 72.64 -> 73.51), so those stay plain."""
+    return W4A4_PDL_GEMV and n * k < 1 << 26 and w4a4_pdl(device) and _gemv7_config(m, n, k) is None
 
 
 def _device_index(device: torch.device) -> int:
