@@ -269,7 +269,7 @@ def test_descriptors_expanded_once_per_address(fast):
     got = kernel.log[-1][1]
     assert got == _wrapper_calls(kernel, launch, TmaDescriptor(x), y)
     x2 = torch.ones(8)
-    for desc in (TmaDescriptor(torch.ones(8)),                   # another address: expanded for it
+    for desc in (TmaDescriptor(x2),                              # another address: expanded for it
                  TmaDescriptor(x, shape=(4,), strides=(2,))):    # another shape at the same address
         launch(desc, y)
         got = kernel.log[-1]
