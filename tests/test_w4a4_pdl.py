@@ -230,6 +230,24 @@ def test_a_fault_of_the_plain_launch_too_propagates_and_keeps_dependent_launches
     assert fresh_pdl_state == {}
 
 
+def test_a_dependent_launch_refused_inside_a_graph_capture_asks_to_capture_again(monkeypatch, fresh_pdl_state):
+    """The capture is invalidated by the failed launch, so no plain launch can save it: dependent launches
+    go off on that GPU and the error says to capture again; the next (eager or captured) call is plain."""
+    calls = []
+
+    def dependent():
+        calls.append("dependent")
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    call = gm.dependent_or_plain(dependent, lambda: (lambda: calls.append("plain")), torch.device("cuda", 0), "x")
+    monkeypatch.setattr(gm, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*capture again"):
+        call()
+    assert calls == ["dependent"] and 0 in fresh_pdl_state
+    call()
+    assert calls == ["dependent", "plain"]
+
+
 def test_pdl_is_off_on_a_gpu_where_a_dependent_launch_was_refused(monkeypatch, fresh_pdl_state):
     monkeypatch.setattr(gm, "INTERPRET", False)
     monkeypatch.setattr(gm, "_capability", lambda device: (9, 0))

@@ -1511,13 +1511,19 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else current_device()
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def dependent_or_plain(dependent, plain, device: torch.device, what: str):
     """``call(*args)``: ``dependent(*args)`` (a programmatic dependent launch) while such launches work
     on ``device``, else ``plain(*args)`` (the same work launched plainly; a callable, or a function
     of no arguments that builds it, called once). If the dependent launch raises and the plain one
     then succeeds, the driver refused the dependent launch: a warning names the error, and no
     dependent launch is tried on that GPU again. If the plain one raises too, its error propagates
-    (the fault was not the dependent launch's)."""
+    (the fault was not the dependent launch's). Inside a CUDA graph capture a failed launch has
+    already invalidated the capture: dependent launches are switched off on that GPU and the error
+    says to capture again (the next capture launches plainly)."""
     index = _device_index(device)
     built = []
 
@@ -1532,6 +1538,11 @@ def dependent_or_plain(dependent, plain, device: torch.device, what: str):
         try:
             return dependent(*args)
         except Exception as exc:  # noqa: BLE001 - e.g. a driver without programmatic dependent launch
+            if _capturing():
+                _PDL_FAILED[index] = f"{what}, inside a CUDA graph capture: {exc!r}"[:300]
+                raise RuntimeError(f"fp4ptq: a programmatic dependent launch failed inside a CUDA graph capture "
+                                   f"({_PDL_FAILED[index]}); such launches are off on cuda:{index} from now on: "
+                                   "capture again") from exc
             result = run_plain(*args)
             if index not in _PDL_FAILED:
                 _PDL_FAILED[index] = f"{what}: {exc!r}"[:300]
