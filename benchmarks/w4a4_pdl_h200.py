@@ -5,7 +5,7 @@ Variants:
   plain  the quantize launch, then mma.py launched plainly (FP4PTQ_W4A4_PDL=0; as before this change)
   pdl    the quantize kernel signals griddepcontrol.launch_dependents as it starts; mma.py launches as its
          programmatic dependent and copies its first weight steps before griddepcontrol.wait
-  rule   pdl only where mma.py's grid has at most one program an SM (gemm.w4a4_pairs; shipped)
+  rule   pdl only where gemm.w4a4_pairs (mma.py) and gemm.w4a4_pairs_gemv (gemv6, M = 1-2) pair (shipped)
 
 Checks first: ``pdl`` bit-equal to ``plain`` on every row (5 calls each), a graph-replayed chain of 10
 dependent calls (x_{i+1} = y_i / 2) bit-equal to the plain eager chain, and NVFP4Linear's launch plans
@@ -15,13 +15,14 @@ with its plans, cuBLAS bf16 and W4A16 in the same rounds.
 
     PYTHONPATH=$PWD:$PWD/.peers:$PWD/benchmarks python benchmarks/w4a4_pdl_h200.py   # $OUT/w4a4_pdl_h200.json
 
-Results: results/w4a4_pdl_h200_v1.json .. v5.json (the variants of each run in benchmarks/NOTES.md,
-twenty-fifth pass).
+Results: results/w4a4_pdl_h200_v1.json .. v7.json (the variants of each run in benchmarks/NOTES.md,
+twenty-fifth pass; "rule" in v4 / v5 is mma.py's rule alone, before gemv6 was paired).
 
-Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, VARIANTS (timed and checked against the first;
-"plain,pdl,rule": pdl pairs every mma.py call, rule only where gemm.w4a4_pairs does (shipped); gemv: the
-rule and W4A4's gemv6 at M = 1-2 paired too (FP4PTQ_W4A4_PDL_GEMV=1); *_nosplit:
-the summing pass launched plainly; *_cap: at most ceil(programs / SMs) mma.py programs fit an SM), ONLY (rows whose layer/M label is listed, e.g. "8B.o/16,8B.down/8").
+Knobs: ROUNDS (5), PHASES ("checks,time,modules"), JSON, ONLY (rows whose layer/M label is listed, e.g.
+"8B.o/16,8B.down/8"), VARIANTS (timed and checked against the first; default "plain,pdl,rule"): pdl pairs
+every mma.py call; rule as shipped; gemv the same as rule (the name of the v7 run, which measured gemv6's
+pairing before it was shipped); *_nosplit the summing pass launched plainly; *_cap at most
+ceil(programs / SMs) mma.py programs fit an SM.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def save():
 # pdl where pdl loses; measured at 721cbfd): neither is built any more.
 # *_cap: mma.py's ring made deep enough (shared memory) that at most ceil(programs / SMs) programs fit an SM,
 # so the block scheduler cannot place more than that on one SM (a probe of the placement suspicion).
-# gemv: also pair W4A4's gemv6 (M = 1-2) with its quantize launch (gemm.W4A4_PDL_GEMV)
+# rule / gemv: the shipped rules, W4A4's gemv6 at M = 1-2 paired too (gemm.W4A4_PDL_GEMV)
 VARIANTS = {"plain": (False, True, True), "pdl": (True, True, True), "rule": (True, False, True),
             "plain_nosplit": (False, True, False), "pdl_nosplit": (True, True, False),
             "plain_cap": (False, True, True), "pdl_cap": (True, True, True), "gemv": (True, False, True)}
@@ -77,7 +78,7 @@ def capped_config(m, n, k, sms=132):
 def variant(name, fn):
     pdl, every, split = VARIANTS[name]
     shipped = gm.W4A4_PDL, gm.w4a4_pairs, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV
-    gm.W4A4_PDL, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV = pdl, split, name == "gemv"
+    gm.W4A4_PDL, gm.SPLIT_PDL, gm.W4A4_PDL_GEMV = pdl, split, name in ("gemv", "rule")
     gm.w4a4_pairs = (lambda m, n, k, device: gm.w4a4_pdl(device)) if every else _RULE
     mma.config = capped_config if name.endswith("_cap") else _CONFIG
     try:
