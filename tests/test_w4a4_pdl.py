@@ -116,11 +116,16 @@ def test_w4a4_does_not_pair_a_requested_path_or_a_weight_it_would_copy(monkeypat
     assert (seen["trigger"], seen["dependent"]) == (True, True)
 
 
-@pytest.mark.parametrize("path,pdl", [("mma", True), ("mma", False), ("wgmma", True)])
+@pytest.mark.parametrize("path,pdl", [("mma", True), ("mma", False), ("wgmma", True), ("gemv6", True),
+                                      ("gemv6", False)])
 def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
     seen = {}
+    m = 1 if path == "gemv6" else 16
     monkeypatch.setattr(gm, "_auto_path", lambda *a, **k: path)
     monkeypatch.setattr(gm, "w4a4_pairs", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(gm, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(gm, "_gemv6", lambda *a, dependent=False, **k: seen.__setitem__("dependent", dependent)
+                        or (lambda *t: t[-1]))
     real = quantize_kernel.quantize_launches
     monkeypatch.setattr(quantize_kernel, "quantize_launches",
                         lambda *a: seen.__setitem__("trigger", a[6] if len(a) > 6 else False) or real(*a))
@@ -129,9 +134,10 @@ def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
     for module in (mma, wgmma):
         monkeypatch.setattr(module, "launches", lambda *a, dependent=False, **k: seen.__setitem__("dependent", dependent)
                             or (lambda *t: t[-1]))
-    plan = gm.linear_plan(torch.randn(16, 512, dtype=torch.bfloat16), _weight(), input_amax=torch.tensor([3.0]))
+    plan = gm.linear_plan(torch.randn(m, 512, dtype=torch.bfloat16), _weight(), input_amax=torch.tensor([3.0]))
     assert plan is not None
-    assert seen == {"trigger": path == "mma" and pdl, "dependent": path == "mma" and pdl}
+    paired = path in ("mma", "gemv6") and pdl
+    assert seen == {"trigger": paired, "dependent": paired}
 
 
 @pytest.mark.parametrize("m,n,k,paired", [

@@ -1482,8 +1482,8 @@ def w4a4_pairs(m: int, n: int, k: int, device: torch.device) -> bool:
     from . import mma
 
     sms = _sm_count(device)
-    _, _, bk, warps, k_split, _ = mma.config(m, n, k, sms)
-    programs = mma.programs(m, n, k, sms)
+    bn, _, bk, warps, k_split, _ = mma.config(m, n, k, sms)
+    programs = cdiv(n, bn) * cdiv(k, k_split)  # (mma.programs)
     # at most 1.1 programs an SM, at most 4 K steps a program, or at least 13 warps an SM (of the 16 the
     # 128-register builds can hold)
     return programs * 10 <= sms * 11 or k_split // bk <= 4 or programs * warps >= sms * 13
@@ -1503,6 +1503,14 @@ def w4a4_pairs_gemv(m: int, n: int, k: int, device: torch.device) -> bool:
     8.90; M = 2 8B qkv 12.57 -> 11.99, 8B o 10.48 -> 9.88; on the 64M-weight configs level or slower
     (8B gate_up 23.30 -> 23.19, 70B gate_up 72.64 -> 73.51), so those stay plain."""
     return W4A4_PDL_GEMV and n * k < 1 << 26 and w4a4_pdl(device) and _gemv7_config(m, n, k) is None
+
+
+def _w4a4_pairs_path(path: str, m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether W4A4's GEMM on ``path`` is its quantize launch's programmatic dependent (the dispatch's
+    and the plans' one decision): mma.py by ``w4a4_pairs``, gemv6 by ``w4a4_pairs_gemv``."""
+    if path == "mma":
+        return w4a4_pairs(m, n, k, device)
+    return path == "gemv6" and w4a4_pairs_gemv(m, n, k, device)
 
 
 def _device_index(device: torch.device) -> int:
@@ -1933,11 +1941,10 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
             raise nvfp4.NVFP4Error(f"W4A4: activation last dim {x2.shape[-1]} is not a multiple of {BLOCK_SIZE}")
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
     else:
-        # mma.py launches as the quantize launch's programmatic dependent where it reads the weight's own
+        # the GEMM launches as the quantize launch's programmatic dependent where it reads the weight's own
         # buffers (a copy made between the two would be read before its wait)
-        shape = (x2.shape[0], weight.shape[0], x2.shape[1], x2.device)
-        pair = requested is None and _weight_in_place(weight) and (
-            (path == "mma" and w4a4_pairs(*shape)) or (path == "gemv6" and w4a4_pairs_gemv(*shape)))
+        pair = (requested is None and _weight_in_place(weight)
+                and _w4a4_pairs_path(path, x2.shape[0], weight.shape[0], x2.shape[1], x2.device))
         xs, x_enc = quantize_kernel.quantize_scaled(x2, input_amax, four_six, trigger=pair)
         # an automatic choice stays one (a failed mma launch can fall back)
         y = _matmul(xs, weight, bias, x_enc, path=path, out=out, picked=requested is None, dependent=pair)
@@ -1993,8 +2000,8 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
             qwords = quantize_kernel._words(x2)
             if qwords is None:
                 return None
-        # mma.py as the quantize launch's programmatic dependent (the weight views are its own buffers here)
-        pair = (path == "mma" and w4a4_pairs(m, n, k, device)) or (path == "gemv6" and w4a4_pairs_gemv(m, n, k, device))
+        # the GEMM as the quantize launch's programmatic dependent (the weight views are its own buffers here)
+        pair = _w4a4_pairs_path(path, m, n, k, device)
         quantize = quantize_kernel.quantize_launches(x2, qwords, amax, four_six, "scaled", None, pair)
         x_enc, slots = torch.empty(1, dtype=torch.float32, device=device), (0, 4, 6)
         x2 = torch.empty(m, k, dtype=x2.dtype, device=device)  # the quantized operand: a fresh tensor

@@ -286,21 +286,17 @@ def _mma_kernel(
         sc_off = gl.where(rc < N, rc, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
         xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
         xc_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
-        if WAIT:  # the weight steps first (uncommitted: they join the first commit group), then the wait
-            for i in gl.static_range(STAGES - 1):
-                kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
-                _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
-                _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+        for i in gl.static_range(STAGES - 1):
+            kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
+            _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
+            _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
+            if not WAIT:
+                _copy(x_ring.index(i), x_ptr + kc + xc_off)
+                async_copy.commit_group()
+        if WAIT:  # the weight steps above are uncommitted: they join the first commit group below
             _grid_wait()
             for i in gl.static_range(STAGES - 1):
                 kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
-                _copy(x_ring.index(i), x_ptr + kc + xc_off)
-                async_copy.commit_group()
-        else:
-            for i in gl.static_range(STAGES - 1):
-                kc = gl.multiple_of(gl.minimum(k_lo + i * BK, k_last), BK)
-                _copy(w_ring.index(i), w_ptr + kc // 8 + w_off)
-                _copy(s_ring.index(i), s_ptr + kc // 16 + sc_off)
                 _copy(x_ring.index(i), x_ptr + kc + xc_off)
                 async_copy.commit_group()
         for i in range((k_hi - k_lo) // BK):
