@@ -43,3 +43,18 @@ def graph_replays(fn, times: int = 5) -> list:
         torch.cuda.synchronize()
         outs.append(out.clone())
     return outs
+
+
+def weight_cache(generator, device):
+    """``weight(n, k)``: an NVFP4 weight of random normal values * 0.02 drawn from ``generator`` on
+    ``device``, and its bf16 decode, made once per shape."""
+    from fp4ptq import nvfp4
+
+    made = {}
+
+    def weight(n, k):
+        if (n, k) not in made:
+            w = nvfp4.quantize(torch.randn(n, k, device=device, generator=generator) * 0.02)
+            made[(n, k)] = (w, w.dequantize(torch.bfloat16))
+        return made[(n, k)]
+    return weight

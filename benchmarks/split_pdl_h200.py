@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 import peers_h200 as peers
-from _rounds import graph_replays, interleaved, rel
+from _rounds import graph_replays, interleaved, rel, weight_cache
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 
@@ -78,14 +78,7 @@ def variant(name, fn):
 
 
 g = torch.Generator(device=dev).manual_seed(0)
-_weights = {}
-
-
-def weight(n, k):
-    if (n, k) not in _weights:
-        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
-        _weights[(n, k)] = (w, w.dequantize(torch.bfloat16))
-    return _weights[(n, k)]
+weight = weight_cache(g, dev)  # (the same generator draws the activations: the same data as before)
 
 
 # (label, M, N, K, bias, W4A4, path or None for the dispatch's)

@@ -33,7 +33,7 @@ import time
 import torch
 
 import peers_h200 as peers
-from _rounds import graph_replays, interleaved, rel
+from _rounds import graph_replays, interleaved, rel, weight_cache
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import mma
@@ -89,14 +89,7 @@ def variant(name, fn):
 
 
 g = torch.Generator(device=dev).manual_seed(0)
-_weights = {}
-
-
-def weight(n, k):
-    if (n, k) not in _weights:
-        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
-        _weights[(n, k)] = (w, w.dequantize(torch.bfloat16))
-    return _weights[(n, k)]
+weight = weight_cache(g, dev)  # (the same generator draws the activations: the same data as before)
 
 
 SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
