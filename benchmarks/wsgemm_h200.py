@@ -9,7 +9,9 @@ WS_JSON (file name), BUDGET_S (stop timing new rows after this many seconds), PH
 default "checks,rows,variants"; "split" times the split tail (``wsgemm.plan``) against whole tiles and
 dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 through wsgemm against the
 cuBLAS W4A4 path at M = 1536..8192; "shortk" times it on other models' layers with K = 3072 / 3584, below
-the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024).
+the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024; "swap" checks and times the swapped
+operands (``wsgemm.SWAP_AB``) against the activations as wgmma's A operand, W4A16 at SWAP_MS (default
+256,512,1024,2048) and W4A4 at M = 1024 / 8192).
 """
 from __future__ import annotations
 
@@ -260,6 +262,85 @@ if "shortk" in PHASES:
             res["shortk"].append(row)
             print(json.dumps(row), flush=True)
             save()
+
+
+
+def swap_set(flag, fn):
+    """``fn`` run with ``wsgemm.SWAP_AB`` set to ``flag`` (read when a call builds its launch)."""
+    def call():
+        old = wsgemm.SWAP_AB
+        wsgemm.SWAP_AB = flag
+        try:
+            return fn()
+        finally:
+            wsgemm.SWAP_AB = old
+    return call
+
+
+# the swapped operands (``wsgemm.SWAP_AB``: the decoded weight tile as wgmma's A, the activations as B) against
+# the activations as A, on the 256-row tile: checks (odd shapes, split tails, fp16, bias, W4A4), then W4A16 at
+# SWAP_MS on the six layers and W4A4 at M = 1024 / 8192 in interleaved rounds
+if "swap" in PHASES:
+    res["swap_checks"], res["swap"] = [], []
+    for m, n, k, dt, bias in checks:
+        if m <= 128:
+            continue  # (the 64- / 128-row tiles are never swapped)
+        w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+        x = torch.randn(m, k, device=dev, generator=g).to(dt)
+        b = torch.randn(n, device=dev, generator=g).to(dt) if bias else None
+        ref = x.float() @ w.dequantize(torch.float32).T + (b.float() if bias else 0)
+        row = {"m": m, "n": n, "k": k, "dtype": str(dt), "bias": bias, "plan": wsgemm.plan(m, n, k)}
+        try:
+            outs = {}
+            for flag in (False, True):
+                y = torch.full((m, n), float("nan"), device=dev, dtype=dt)
+                swap_set(flag, lambda: gm.linear_w4a16(x, w, b, path="wsgemm", out=y))()
+                outs[flag] = y
+            row["rel_ref_swapped"] = rel(outs[True], ref)
+            row["rel_ref_plain"] = rel(outs[False], ref)
+            row["swapped_equal_plain"] = bool(torch.equal(outs[True], outs[False]))
+            row["max_abs_swapped_vs_plain"] = float((outs[True].float() - outs[False].float()).abs().max())
+            amax = x.float().abs().amax()
+            y4 = swap_set(True, lambda: gm.linear_w4a4(x, w, amax, b, path="wsgemm"))()
+            y4p = swap_set(False, lambda: gm.linear_w4a4(x, w, amax, b, path="wsgemm"))()
+            row["w4a4_rel_cublas_swapped"] = rel(y4, gm.linear_w4a4(x, w, amax, b, path="cublas"))
+            row["w4a4_swapped_equal_plain"] = bool(torch.equal(y4, y4p))
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        res["swap_checks"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    swap_ms = [int(v) for v in os.environ.get("SWAP_MS", "256,512,1024,2048").split(",")]
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        wq = nvfp4.quantize(w)
+        for m in swap_ms + ([8192] if k == 4096 and n <= 6144 else []):
+            if time.time() - T0 > BUDGET:
+                break
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+            amax = x.float().abs().amax()
+            w4a4 = m == 8192 or (m == 1024 and name in ("8B.qkv", "8B.o", "70B.down"))
+            row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k)}
+            try:
+                fns = {"cublas_bf16": lambda: x @ w.t()}
+                if m <= 2048:
+                    fns["plain"] = swap_set(False, lambda: gm.linear_w4a16(x, wq, path="wsgemm"))
+                    fns["swapped"] = swap_set(True, lambda: gm.linear_w4a16(x, wq, path="wsgemm"))
+                    row["rel_swapped_vs_plain"] = rel(fns["swapped"](), fns["plain"]())
+                if w4a4:
+                    fns["w4a4_plain"] = swap_set(False, lambda: gm.linear_w4a4(x, wq, amax, path="wsgemm"))
+                    fns["w4a4_swapped"] = swap_set(True, lambda: gm.linear_w4a4(x, wq, amax, path="wsgemm"))
+                    row["w4a4_rel_swapped_vs_plain"] = rel(fns["w4a4_swapped"](), fns["w4a4_plain"]())
+                row["median_us"] = mu = interleaved(fns)
+                for a in ("plain", "swapped", "w4a4_plain", "w4a4_swapped"):
+                    if a in mu:
+                        row[f"{a}_vs_cublas"] = mu["cublas_bf16"] / mu[a]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:400]
+            res["swap"].append(row)
+            print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
+            save()
+            del x
 
 res["elapsed_s"] = time.time() - T0
 save()

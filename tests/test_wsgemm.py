@@ -48,7 +48,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
-def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False):
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -63,7 +63,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0)
+              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
              "count_ptr": "*i32", "sum_ptr": "*i32"}
@@ -273,6 +273,46 @@ def test_config_picks_the_tile_by_m():
     assert ws.consumer_warps(128, 128) == ws.consumer_warps(256, 128) == 8
     assert 2 * (ws.consumer_warps(bm, bn) + dec_warps) * 32 * maxnreg <= 65536
     assert 2 * (xs * (bm * bk * 2 + bn * bk // 2) + bs * bn * bk * 2 + 2 * bn * 16) <= 228 * 1024
+
+
+@pytest.mark.parametrize("dt,bias,xenc,summers", [("bf16", True, False, False), ("fp16", False, True, False),
+                                                  ("bf16", True, False, True)])
+def test_swapped_operands_compile_to_one_wide_mma_a_k16(dt, bias, xenc, summers):
+    """The swapped build: the decoded weight tile is wgmma's A operand and the activation tile its B, so
+    each warpgroup issues one m64n256k16 a k16 (against two m64n128k16 unswapped), with the same rings,
+    partitions and register moves; the output still leaves in 16-byte stores (the transposed tile
+    re-laid out), the split tiles' fp32 partials from the accumulator layout (whole 32-byte sectors a
+    store); no local memory and no global load in the K loop."""
+    compiled = _compile(ws.DEFAULT_CONFIG, dt, bias, xenc, summers=summers, swap=True)
+    ptx = compiled.asm["ptx"]
+    ty = "f16" if dt == "fp16" else "bf16"
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx) == ["m64n256k16"] * 4
+    assert re.search(rf"m64n256k16\.f32\.{ty}\.{ty}", ptx)
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "st.global.v4" in ptx and not re.search(r"st\.global\.b16", ptx)
+    loads = [line for line in ptx.splitlines() if "ld.global" in line and ".cg" not in line and "acquire" not in line]
+    # the global scale(s), and in the summing build the program's summing index
+    assert len([line for line in loads if ".b16" not in line]) <= 1 + int(xenc) + int(summers), loads
+    assert compiled.metadata.shared <= 227 * 1024
+    plain = _compile(ws.DEFAULT_CONFIG, dt, bias, xenc, summers=summers).asm["ptx"]
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", plain) == ["m64n128k16"] * 8
+
+
+def test_swap_rule_and_refusal(monkeypatch):
+    """Swapped only where the tile has more activation rows than weight rows (256 x 128) and the knob is
+    on; a swapped tile needs 16 weight rows a consumer warp, refused with the reason otherwise."""
+    monkeypatch.setattr(ws, "SWAP_AB", True)
+    assert ws.swapped(ws.DEFAULT_CONFIG)
+    assert not ws.swapped(ws.SMALL_M_CONFIG) and not ws.swapped(ws.TINY_M_CONFIG)
+    monkeypatch.setattr(ws, "SWAP_AB", False)
+    assert not ws.swapped(ws.DEFAULT_CONFIG)
+    x = torch.empty(256, 4096, dtype=torch.bfloat16)
+    words = torch.empty(4096, 512, dtype=torch.int32)
+    sbits = torch.empty(4096, 256, dtype=torch.uint8)
+    y = torch.empty(256, 4096, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16 a consumer warp"):
+        ws.launches(x, words, sbits, torch.ones(1), None, None, y, cfg=(256, 64, 64, 4, 2, 4, 128, 168), swap=True)
 
 
 def test_check_config_refuses_what_does_not_fit():

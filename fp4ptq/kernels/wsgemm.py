@@ -216,17 +216,36 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
 
 
 @gluon.jit
+def _acc_layout(BM: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr):
+    """The accumulator's layout: ``[BM, BN]`` (activation rows x weight rows), or with ``SWAP``
+    ``[BN, BM]`` (the weight tile is wgmma's A operand, the activations its B, BM wide)."""
+    if SWAP:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BM, 16])
+    else:
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BN, 16])
+    return layout
+
+
+@gluon.jit
 def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
-              XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr):
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                    instr_shape=[16, BN, 16])
-    acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+              XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr):
+    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, SWAP)
+    if SWAP:
+        acc = gl.zeros([BN, BM], gl.float32, layout=acc_l)
+    else:
+        acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
     for i in range(k_steps):
         s = i % XSTAGES
         b = i % BSTAGES
         mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
         mbarrier.wait(b_ready.index(b), (i // BSTAGES) & 1)
-        acc = warpgroup_mma(x_ring.index(s), b_ring.index(b).permute((1, 0)), acc, is_async=True)
+        if SWAP:  # acc^T [BN, BM] += Wdec [BN, BK] @ X[BM, BK]^T: each warpgroup reads the whole
+            # activation tile once a k16 (m64nBMk16) instead of the decoded tile once per 64 rows
+            acc = warpgroup_mma(b_ring.index(b), x_ring.index(s).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(x_ring.index(s), b_ring.index(b).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])  # step i - 1's MMA is complete: release its slots
         p = (i + XSTAGES - 1) % XSTAGES
         q = (i + BSTAGES - 1) % BSTAGES
@@ -239,12 +258,20 @@ def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.
 @gluon.jit
 def _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, SWAP: gl.constexpr):
     """A tile's output: ``acc * 2^26 / global_enc`` (fp16: ``2^14``; W4A4: also ``/ global_x``), then
     either the split part's fp32 partial sum or the output (+ bias) rounded once."""
-    F16: gl.constexpr = y_ptr.dtype.element_ty == gl.float16
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                    instr_shape=[16, BN, 16])
+    if SWAP:
+        _epilogue_swapped(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n,
+                          part, is_part, HAS_BIAS, HAS_XENC, BM, BN, WARPS)
+    else:
+        _epilogue_rows(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part,
+                       is_part, HAS_BIAS, HAS_XENC, BM, BN, WARPS)
+
+
+@gluon.jit
+def _scaled_acc(acc, wenc_ptr, xenc_ptr, HAS_XENC: gl.constexpr, F16: gl.constexpr):
+    """``acc * 2^26 / global_enc`` (fp16: ``2^14``; W4A4: over ``global_enc * global_x``), one rounded factor."""
     enc = gl.load(wenc_ptr)
     if HAS_XENC:
         enc = enc * gl.load(xenc_ptr)
@@ -252,6 +279,16 @@ def _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_y
         y = acc * gl.div_rn(enc * 0.0 + 16384.0, enc)
     else:
         y = acc * gl.div_rn(enc * 0.0 + 67108864.0, enc)
+    return y
+
+
+@gluon.jit
+def _epilogue_rows(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part,
+                   is_part, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   WARPS: gl.constexpr):
+    """``_epilogue`` of the accumulator ``[BM, BN]``."""
+    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, False)
+    y = _scaled_acc(acc, wenc_ptr, xenc_ptr, HAS_XENC, y_ptr.dtype.element_ty == gl.float16)
     mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
     no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
     if is_part:
@@ -272,6 +309,36 @@ def _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_y
         no_s = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
         ok_s = (mo_s < M)[:, None] & (no_s < N)[None, :]
         gl.store(y_ptr + mo_s[:, None].to(gl.int64) * stride_ym + no_s[None, :], yo, mask=ok_s)
+
+
+@gluon.jit
+def _epilogue_swapped(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part,
+                      is_part, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """``_epilogue`` of the transposed accumulator ``[BN, BM]`` (weight rows x activation rows)."""
+    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, True)
+    y = _scaled_acc(acc, wenc_ptr, xenc_ptr, HAS_XENC, y_ptr.dtype.element_ty == gl.float16)
+    no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+    mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
+    if is_part:
+        # the fp32 partial sum, as in _epilogue_rows; a thread's pairs are now two activation rows apart
+        # in memory, but the lanes of a store instruction still fill whole 32-byte sectors (8 weight rows
+        # of 4 bytes each), so it is stored from the accumulator layout, 4 bytes a lane
+        ns = N - n0
+        ok = (no < N)[:, None] & (mo < M)[None, :]
+        prow = (part * M + mo).to(gl.int64) * ns
+        gl.store(part_ptr + prow[None, :] + (no - n0)[:, None], y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + gl.where(no < N, no, 0)).to(gl.float32)[:, None]
+        # rounded once, then re-laid out so a thread holds 8 consecutive weight rows of one activation row
+        # (16 bytes of the output row) and a warp 2 whole 256-byte runs
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 256 // BN], [1, WARPS], [0, 1])
+        yo = gl.convert_layout(y.to(y_ptr.dtype.element_ty), out_l)
+        no_s = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
+        mo_s = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
+        ok_s = (no_s < N)[:, None] & (mo_s < M)[None, :]
+        gl.store(y_ptr + mo_s[None, :].to(gl.int64) * stride_ym + no_s[:, None], yo, mask=ok_s)
 
 
 
@@ -371,7 +438,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                full_tiles, splits, k_chunk, n0, n_parts, count_ptr, sum_ptr, n_summers,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr):
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False):
     # one program an item (``_item``); with SUM_SPLITS (the split count; 0: a second launch sums) the split
     # tiles are summed in this launch
     pid = gl.program_id(0)
@@ -381,12 +448,12 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
         x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
     acc = gl.warp_specialize([
-        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS)),
+        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS, SWAP)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
                     off_m, off_n, k0, ks)),
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
-              HAS_BIAS, HAS_XENC, BM, BN, WARPS)
+              HAS_BIAS, HAS_XENC, BM, BN, WARPS, SWAP)
     if SUM_SPLITS > 0:
         if is_part:
             # this part's partial is stored (every thread's stores before the barrier): count it done,
@@ -618,6 +685,20 @@ def supports(m: int, n: int, k: int) -> bool:
     return m > 0 and n > 0 and k > 0 and k % 256 == 0
 
 
+# The operands swapped (``SWAP``): the decoded weight tile as wgmma's A operand and the activation tile as its
+# B (m64n256k16 on the 256 x 128 tile), so a warpgroup reads the [256, 64] activation slice once a step
+# instead of the decoded [128, 64] tile once per 64 activation rows: 80 KB of wgmma operand reads a step
+# instead of 96 (the decoder, its rings and the TMA copies unchanged). FP4PTQ_WSGEMM_SWAP=0 keeps the
+# activations as A everywhere.
+SWAP_AB = os.environ.get("FP4PTQ_WSGEMM_SWAP", "0") != "0"
+
+
+def swapped(cfg: tuple) -> bool:
+    """Whether a tile runs with its operands swapped: where it has more activation rows than weight
+    rows (only there do the operand reads shrink) and the swap is on."""
+    return SWAP_AB and cfg[0] > cfg[1]
+
+
 def consumer_warps(bm: int, bn: int) -> int:
     """The consumer partition's warps: one warpgroup where the accumulator tile has at most 8192
     elements (64 fp32 registers a thread: 64 x 128 or 128 x 64), two otherwise (each 64 or 128 rows)."""
@@ -644,19 +725,21 @@ def _smem_layout(rows: int, cols: int, dtype):
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True, swap: Optional[bool] = None) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
-    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons)."""
+    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons);
+    ``swap``: the operands swapped (None: ``swapped``; True / False for comparisons)."""
     x2, sbits = aligned_operands(x2, sbits)
-    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split)(x2, y)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split, swap=swap)(x2, y)
 
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False):
+             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False,
+             swap: Optional[bool] = None):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
     global scale,) and y: the weight's TMA descriptors are built once, x's for each call. Split tiles
@@ -676,6 +759,10 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         raise ValueError(f"wsgemm: config {cfg}: {reason}")
     bm, bn, bk, xs, bs, dec_warps, dec_regs, maxnreg = cfg
     warps = consumer_warps(bm, bn)
+    swap = swapped(cfg) if swap is None else bool(swap)
+    if swap and bn % (16 * warps):
+        raise ValueError(f"wsgemm: config {cfg}: swapped operands need {16 * warps} weight rows or a multiple "
+                         f"(16 a consumer warp), got {bn}")
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
     if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
@@ -705,7 +792,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
          None, m, n, y.stride(0), k // bk, full, splits, chunk, n0, n_parts, counters, table, n_summers),
         tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
-             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0,
+             WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0, SWAP=swap,
              num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
@@ -745,5 +832,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["SUMMERS", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["SUMMERS", "SWAP_AB", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
