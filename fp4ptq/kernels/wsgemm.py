@@ -216,26 +216,16 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
 
 
 @gluon.jit
-def _acc_layout(BM: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr):
-    """The accumulator's layout: ``[BM, BN]`` (activation rows x weight rows), or with ``SWAP``
-    ``[BN, BM]`` (the weight tile is wgmma's A operand, the activations its B, BM wide)."""
-    if SWAP:
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, BM, 16])
-    else:
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, BN, 16])
-    return layout
-
-
-@gluon.jit
 def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
               XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr):
-    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, SWAP)
-    if SWAP:
-        acc = gl.zeros([BN, BM], gl.float32, layout=acc_l)
-    else:
-        acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+    # the accumulator [BM, BN] (activation rows x weight rows), or with SWAP [BN, BM] (the decoded weight
+    # tile is wgmma's A operand, the activations its B, BM wide); (a layout cannot be returned by a
+    # function in Triton 3.6, hence the arithmetic on SWAP)
+    ROWS: gl.constexpr = BM + SWAP * (BN - BM)
+    COLS: gl.constexpr = BN + SWAP * (BM - BN)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, COLS, 16])
+    acc = gl.zeros([ROWS, COLS], gl.float32, layout=acc_l)
     for i in range(k_steps):
         s = i % XSTAGES
         b = i % BSTAGES
@@ -287,7 +277,8 @@ def _epilogue_rows(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, str
                    is_part, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    WARPS: gl.constexpr):
     """``_epilogue`` of the accumulator ``[BM, BN]``."""
-    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, False)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BN, 16])
     y = _scaled_acc(acc, wenc_ptr, xenc_ptr, HAS_XENC, y_ptr.dtype.element_ty == gl.float16)
     mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_l))
     no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
@@ -316,7 +307,8 @@ def _epilogue_swapped(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, 
                       is_part, HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                       WARPS: gl.constexpr):
     """``_epilogue`` of the transposed accumulator ``[BN, BM]`` (weight rows x activation rows)."""
-    acc_l: gl.constexpr = _acc_layout(BM, BN, WARPS, True)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                    instr_shape=[16, BM, 16])
     y = _scaled_acc(acc, wenc_ptr, xenc_ptr, HAS_XENC, y_ptr.dtype.element_ty == gl.float16)
     no = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     mo = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
