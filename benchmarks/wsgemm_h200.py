@@ -11,7 +11,8 @@ dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 th
 cuBLAS W4A4 path at M = 1536..8192; "shortk" times it on other models' layers with K = 3072 / 3584, below
 the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024; "swap" checks and times the swapped
 operands (``wsgemm.SWAP_AB``) against the activations as wgmma's A operand, W4A16 at SWAP_MS (default
-256,512,1024,2048) and W4A4 at M = 1024 / 8192).
+256,512,1024,2048) and W4A4 at M = 1024 / 8192, on the layers SWAP_SHAPES names (default all six); SWAP_CHECKS=0
+skips its checks).
 """
 from __future__ import annotations
 
@@ -282,7 +283,7 @@ def swap_set(flag, fn):
 # SWAP_MS on the six layers and W4A4 at M = 1024 / 8192 in interleaved rounds
 if "swap" in PHASES:
     res["swap_checks"], res["swap"] = [], []
-    for m, n, k, dt, bias in checks:
+    for m, n, k, dt, bias in (checks if os.environ.get("SWAP_CHECKS", "1") != "0" else []):
         if m <= 128:
             continue  # (the 64- / 128-row tiles are never swapped)
         w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
@@ -311,10 +312,13 @@ if "swap" in PHASES:
         print(json.dumps(row), flush=True)
         save()
     swap_ms = [int(v) for v in os.environ.get("SWAP_MS", "256,512,1024,2048").split(",")]
+    swap_shapes = os.environ.get("SWAP_SHAPES", ",".join(SHAPES)).split(",")
     for name, (n, k) in SHAPES.items():
+        if name not in swap_shapes:
+            continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         wq = nvfp4.quantize(w)
-        for m in swap_ms + ([8192] if k == 4096 and n <= 6144 else []):
+        for m in swap_ms + ([8192] if k == 4096 and n <= 6144 and "8192" not in os.environ.get("SWAP_MS", "") else []):
             if time.time() - T0 > BUDGET:
                 break
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
