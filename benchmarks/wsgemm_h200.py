@@ -11,8 +11,8 @@ dequantize + cuBLAS on the shapes where the plan splits; "w4a4big" times W4A4 th
 cuBLAS W4A4 path at M = 1536..8192; "shortk" times it on other models' layers with K = 3072 / 3584, below
 the rule's MIN_K, against dequantize + cuBLAS at M = 256 and 1024; "swap" checks and times the swapped
 operands (``wsgemm.SWAP_AB``) against the activations as wgmma's A operand, W4A16 at SWAP_MS (default
-256,512,1024,2048) and W4A4 at M = 1024 / 8192, on the layers SWAP_SHAPES names (default all six); SWAP_CHECKS=0
-skips its checks).
+256,512,1024,2048) and W4A4 at M = 1024 / 8192, on the layers SWAP_SHAPES names (default all six; SWAP_ZOO=1:
+15 layers of other models instead); SWAP_CHECKS=0 skips its checks).
 """
 from __future__ import annotations
 
@@ -313,8 +313,15 @@ if "swap" in PHASES:
         save()
     swap_ms = [int(v) for v in os.environ.get("SWAP_MS", "256,512,1024,2048").split(",")]
     swap_shapes = os.environ.get("SWAP_SHAPES", ",".join(SHAPES)).split(",")
-    for name, (n, k) in SHAPES.items():
-        if name not in swap_shapes:
+    # SWAP_ZOO=1: other models' layers (K % 256 == 0; model_zoo_h200.py's list) instead of Llama-3.1's
+    zoo = {"Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.gate_up": (37888, 3584), "Qwen2-7B.down": (3584, 18944),
+           "Qwen2-72B.qkv": (10240, 8192), "Qwen2-72B.gate_up": (59136, 8192), "Qwen2-72B.down": (8192, 29568),
+           "Llama-2-7B.qkv": (12288, 4096), "Llama-2-7B.gate_up": (22016, 4096), "Llama-2-7B.down": (4096, 11008),
+           "Gemma-2-9B.qkv": (8192, 3584), "Gemma-2-9B.o": (3584, 4096), "Gemma-2-9B.gate_up": (28672, 3584),
+           "Phi-3-mini.qkv": (9216, 3072), "Phi-3-mini.gate_up": (16384, 3072), "Phi-3-mini.down": (3072, 8192)}
+    swap_layers = zoo if os.environ.get("SWAP_ZOO") == "1" else SHAPES
+    for name, (n, k) in swap_layers.items():
+        if swap_layers is SHAPES and name not in swap_shapes:
             continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         wq = nvfp4.quantize(w)
@@ -323,7 +330,7 @@ if "swap" in PHASES:
                 break
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
             amax = x.float().abs().amax()
-            w4a4 = m == 8192 or (m == 1024 and name in ("8B.qkv", "8B.o", "70B.down"))
+            w4a4 = m == 8192 or (m == 1024 and name in ("8B.qkv", "8B.o", "70B.down", "Qwen2-7B.qkv", "Gemma-2-9B.o"))
             row = {"shape": name, "m": m, "plan": wsgemm.plan(m, n, k)}
             try:
                 fns = {"cublas_bf16": lambda: x @ w.t()}
