@@ -353,6 +353,42 @@ if "swap" in PHASES:
             save()
             del x
 
+# SWAP_PLANS=1: 8B qkv at M = 1024 (the layer on the 0.85x line) under other tail plans than ``plan``'s,
+# swapped, in 5 interleaved rounds: whole tiles, the last 60 tiles in 2 (shipped), 3 or 4 K ranges
+if os.environ.get("SWAP_PLANS") == "1":
+    n, k = SHAPES["8B.qkv"]
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    wq = nvfp4.quantize(w)
+    x = torch.randn(1024, k, device=dev, dtype=torch.bfloat16, generator=g)
+    shipped_plan, shipped_summing = wsgemm.plan, wsgemm.summing_plan
+    forced = {"parts3": (132, 3, 24, 33, 0.0), "parts4": (132, 4, 16, 33, 0.0)}
+
+    def with_plan(fixed):
+        def call():
+            if fixed is not None:  # (summing_plan, cached for the shipped plan, recomputed from the forced one)
+                wsgemm.plan = lambda *a, **kw: fixed
+                wsgemm.summing_plan = shipped_summing.__wrapped__
+            try:
+                return gm.linear_w4a16(x, wq, path="wsgemm")
+            finally:
+                wsgemm.plan, wsgemm.summing_plan = shipped_plan, shipped_summing
+        return call
+    fns = {"cublas_bf16": lambda: x @ w.t(), "shipped": with_plan(None),
+           "whole": lambda: whole_tiles(x, wq), **{a: with_plan(b) for a, b in forced.items()}}
+    ref = fns["shipped"]()
+    row = {"shape": "8B.qkv", "m": 1024, "plan": shipped_plan(1024, n, k), "rel_vs_shipped": {}}
+    try:
+        for a in ("whole", *forced):
+            row["rel_vs_shipped"][a] = rel(fns[a](), ref)
+        saved, ROUNDS = ROUNDS, 5
+        row["median_us"] = interleaved(fns)
+        ROUNDS = saved
+    except Exception as exc:  # noqa: BLE001
+        row["error"] = repr(exc)[:400]
+    res["swap_plans"] = row
+    print(json.dumps(row), flush=True)
+    save()
+
 res["elapsed_s"] = time.time() - T0
 save()
 print("done", f"{res['elapsed_s']:.0f}s")
