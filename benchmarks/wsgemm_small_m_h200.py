@@ -46,6 +46,11 @@ SMALL_VARIANTS = {
     "bm128n64": (128, 64, 64, 4, 2, 4, 96, 128),       # 2 CTAs an SM
     "bm128n64_r112": (128, 64, 64, 4, 2, 4, 80, 112),  # 2 CTAs an SM, fewer registers
     "bm64n64": (64, 64, 64, 4, 2, 4, 64, 80),          # 3 CTAs an SM
+    # 256 weight rows a tile (session 26): each consumer warpgroup reads the decoded tile once a k16
+    # (m64n256k16) for twice the work, 144 KB of shared-memory traffic a 128 x 256 x 64 step against
+    # 2 x 88 for two 128 x 128 ones; half the tiles (wide layers only)
+    "bm128n256": (128, 256, 64, 4, 2, 4, 128, 168),
+    "bm128n256_x3": (128, 256, 64, 3, 2, 4, 128, 168),
 }
 if os.environ.get("VARIANTS"):
     SMALL_VARIANTS = {a: SMALL_VARIANTS[a] for a in os.environ["VARIANTS"].split(",")}
