@@ -77,6 +77,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
     ((128, 256, 64, 5, 2, 4, 128, 168), "bf16", True, False),
     (ws.SMALL_M_CONFIG, "bf16", True, True),
     (ws.TINY_M_CONFIG, "fp16", False, False),
+    (ws.WIDE_M_CONFIG, "bf16", True, True),  # 256 weight rows at M = 65..128 (m64n256k16 on the decoded tile)
     ((128, 128, 64, 4, 2, 8, 80, 128), "bf16", False, False),  # 8 decoder warps: two threads a row
     ((128, 64, 64, 4, 2, 4, 96, 128), "bf16", True, False),  # 64 weight rows: one consumer warpgroup
 ])
@@ -313,6 +314,23 @@ def test_swap_rule_and_refusal(monkeypatch):
     y = torch.empty(256, 4096, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16 a consumer warp"):
         ws.launches(x, words, sbits, torch.ones(1), None, None, y, cfg=(256, 64, 64, 4, 2, 4, 128, 168), swap=True)
+
+
+def test_wide_tile_at_small_m_only_where_its_plan_fills_the_sms(monkeypatch):
+    """M = 65..128: 256 weight rows a tile where that tile's plan fills at least MIN_WAVE_FILL of the SMs
+    (the gate_up layers, 70B down: 10-20% faster on the H200), the 128 x 128 tile elsewhere (8B o / down
+    lost 35-50% with it, 8B qkv level; results/wsgemm_n256_h200.json); never swapped; off by the knob."""
+    assert ws.check_config(ws.WIDE_M_CONFIG) is None and not ws.swapped(ws.WIDE_M_CONFIG)
+    for m in (65, 96, 128):
+        for n, k in ((28672, 4096), (57344, 8192), (8192, 28672)):
+            assert ws.config(m, n, k) == ws.WIDE_M_CONFIG, (m, n, k)
+            assert ws.plan(m, n, k, 132, ws.WIDE_M_CONFIG)[4] >= ws.MIN_WAVE_FILL
+        for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (14336, 4096), (1024, 4096)):
+            assert ws.config(m, n, k) == ws.SMALL_M_CONFIG, (m, n, k)
+    assert ws.config(64, 28672, 4096) == ws.TINY_M_CONFIG and ws.config(129, 28672, 4096) == ws.DEFAULT_CONFIG
+    assert ws.config(128, 28672, 4096, 264) == ws.SMALL_M_CONFIG  # twice the SMs: 112 tiles fill too few
+    monkeypatch.setattr(ws, "WIDE_SMALL_M", False)
+    assert ws.config(128, 28672, 4096) == ws.SMALL_M_CONFIG
 
 
 def test_check_config_refuses_what_does_not_fit():

@@ -473,16 +473,26 @@ DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
 # tile stays ahead from M = 129 on (192 and 256 measured).
 SMALL_M_CONFIG = (128, 128, 64, 4, 2, 4, 128, 168)
 TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
+# 256 weight rows at M = 65..128 (session 26, results/wsgemm_n256_h200.json): each consumer warpgroup reads the
+# decoded tile once a k16 (m64n256k16) for twice the work, about 18% less shared-memory traffic a FLOP; half
+# the tiles. Where its plan fills the SMs (``MIN_WAVE_FILL``) it was 10-20% faster than the 128 x 128 tile
+# (8B gate_up at M = 128 85.2 -> 67.9 us, 70B gate_up 291.9 -> 263.8, 70B down 147.9 -> 132.2: ahead of cuBLAS
+# bf16 on all three); where it does not (8B o / down: fill 0.3-0.42) 35-50% slower, 8B qkv (0.4) level.
+WIDE_M_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
+WIDE_SMALL_M = os.environ.get("FP4PTQ_WSGEMM_WIDE", "1") != "0"
 
 
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """The tile by M: 256 activation rows x 128 weight rows x 64 K from M = 129 (two consumer warpgroups
     of 128 x 128 fp32 accumulators; run v2: 7-9% ahead of 128 x 256, which decodes twice the weights a
     FLOP), 128 rows at M = 65..128 and 64 rows (one consumer warpgroup, two CTAs an SM) below; a 4-step
-    TMA ring and 2 decoded tiles."""
+    TMA ring and 2 decoded tiles; at M = 65..128 256 weight rows a tile where that tile's plan fills the SMs
+    (``WIDE_M_CONFIG``)."""
     if m <= 64:
         return TINY_M_CONFIG
     if m <= 128:
+        if WIDE_SMALL_M and plan(m, n, k, sms, WIDE_M_CONFIG)[4] >= MIN_WAVE_FILL:
+            return WIDE_M_CONFIG  # (256 weight rows: where its tiles fill the SMs)
         return SMALL_M_CONFIG
     return DEFAULT_CONFIG
 
@@ -748,7 +758,9 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         raise TypeError(f"the warp-specialized path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
         raise ValueError(f"the warp-specialized path takes K % 256 == 0, got M={m}, N={n}, K={k}")
-    cfg = cfg or config(m, n, k)
+    from .gemm import _sm_count, split_finish
+
+    cfg = cfg or config(m, n, k, _sm_count(x2.device))
     reason = check_config(cfg)
     if reason:
         raise ValueError(f"wsgemm: config {cfg}: {reason}")
@@ -766,8 +778,6 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8], _smem_layout(bn, bk // 8, gl.int32))
     s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], _smem_layout(bn, 16, gl.uint8))
     has_bias = bias is not None
-    from .gemm import _sm_count, split_finish
-
     tiles = cdiv(m, bm) * cdiv(n, bn)
     sms = _sm_count(x2.device)
     full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg) if split else (tiles, 1, k // bk, 0, 1.0)
@@ -807,11 +817,15 @@ _LABEL = "the warp-specialized path"
 
 def _self_test(device: torch.device) -> Optional[str]:
     """Partial row and column tiles, one K step, fp16, tiles split by K (``plan``: the 10 tiles of
-    300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more), and the 64- and 128-row
-    tiles of M <= 128 (one consumer warpgroup; fp16)."""
-    return product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
-                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16),
-                                  (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16)), device)
+    300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more), the 64- and 128-row
+    tiles of M <= 128 (one consumer warpgroup; fp16), and the 128 x 256 tile."""
+    err = product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
+                                 (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16),
+                                 (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16)), device)
+    if err is None:  # the 256-weight-row tile of M = 65..128 (wide layers only, so on a small shape by name)
+        err = product_check(functools.partial(matmul, cfg=WIDE_M_CONFIG),
+                            ((100, 600, 1024, torch.bfloat16), (70, 300, 1280, torch.float16)), device)
+    return err
 
 
 def ready(device: torch.device) -> Optional[str]:
@@ -827,5 +841,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["SUMMERS", "SWAP_AB", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
