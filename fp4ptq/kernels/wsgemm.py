@@ -23,7 +23,12 @@ side by side, joined by mbarrier rings:
 * two consumer warpgroups (the default partition) issue the asynchronous
   wgmma ``acc[BM, BN] += X[BM, BK] @ Wdec[BN, BK]^T`` from both rings, keep
   one MMA in flight, release each step's slots when its MMA completed, and
-  write the output (rounded once, re-laid out for 16-byte stores).
+  write the output (rounded once, re-laid out for 16-byte stores). On the
+  256-row tile the operands are swapped (``SWAP``: ``acc^T += Wdec @ X^T``,
+  m64n256k16), so each warpgroup reads the activation slice once a k16 instead
+  of the decoded tile once per 64 rows (80 KB of operand reads a step instead of
+  96: 1-8% faster, bit-equal); at M = 65..128 wide layers take 256 weight rows a
+  tile (``WIDE_M_CONFIG``: m64n256k16 on the decoded tile, 10-20% faster there).
 
 Where the last wave of tiles would leave SMs idle (Llama-3.1 8B qkv at
 M = 1024: 192 tiles on 132 SMs), ``plan`` cuts the tail's tiles into 2-4 K
