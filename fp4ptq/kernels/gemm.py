@@ -17,7 +17,7 @@ the first GEMV (kept for comparison), ``mma`` the Gluon tensor-core kernel
 K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128 where wsgemm does not run), ``wsgemm`` the
 warp-specialized Gluon GEMM (``wsgemm.py``, sm_90, 33 <= M <= 1024 (64-row tiles to M = 64, 128-row
-tiles to 128, then 256), W4A4 to 2048 or 8192, where its tiles fill the SMs or its split tail does,
+tiles to 128 (256 weight rows on wide layers), then 256 with the operands swapped), W4A4 to 2048 or 8192, where its tiles fill the SMs or its split tail does,
 K % 256 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more; ahead of mma.py there),
 ``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
