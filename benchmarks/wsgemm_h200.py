@@ -58,14 +58,21 @@ def save():
         json.dump(res, f, indent=1)
 
 
+def record(key: str, row: dict) -> None:
+    """Keep ``row`` under ``res[key]``, print it with floats rounded, save the file."""
+    res[key].append(row)
+    print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
+    save()
+
+
 def rel(y, ref):
     return float((y.float() - ref.float()).norm() / ref.float().norm())
 
 
-def interleaved(fns: dict) -> dict:
-    """Median us a call of each function, timed in ROUNDS interleaved rounds."""
+def interleaved(fns: dict, rounds: int = 0) -> dict:
+    """Median us a call of each function, timed in ``rounds`` (default ROUNDS) interleaved rounds."""
     times = {}
-    for _ in range(ROUNDS):
+    for _ in range(rounds or ROUNDS):
         for label, fn in fns.items():
             times.setdefault(label, []).append(peers.bench(fn) * 1e3)
     return {label: statistics.median(t) for label, t in times.items()}
@@ -121,9 +128,7 @@ for name, (n, k) in (SHAPES.items() if "rows" in PHASES else []):
             row["tflops"] = 2 * m * n * k / (row["median_us"]["wsgemm"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:400]
-        res["rows"].append(row)
-        print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
-        save()
+        record("rows", row)
         del x
     if name in ("8B.qkv", "8B.gate_up", "8B.down", "70B.down") and time.time() - T0 < BUDGET:
         x = torch.randn(1024, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -325,7 +330,7 @@ if "swap" in PHASES:
             continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         wq = nvfp4.quantize(w)
-        for m in swap_ms + ([8192] if k == 4096 and n <= 6144 and "8192" not in os.environ.get("SWAP_MS", "") else []):
+        for m in swap_ms + ([8192] if k == 4096 and n <= 6144 and 8192 not in swap_ms else []):
             if time.time() - T0 > BUDGET:
                 break
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
@@ -348,9 +353,7 @@ if "swap" in PHASES:
                         row[f"{a}_vs_cublas"] = mu["cublas_bf16"] / mu[a]
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:400]
-            res["swap"].append(row)
-            print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
-            save()
+            record("swap", row)
             del x
 
 # SWAP_PLANS=1: 8B qkv at M = 1024 (the layer on the 0.85x line) under other tail plans than ``plan``'s,
@@ -380,9 +383,7 @@ if os.environ.get("SWAP_PLANS") == "1":
     try:
         for a in ("whole", *forced):
             row["rel_vs_shipped"][a] = rel(fns[a](), ref)
-        saved, ROUNDS = ROUNDS, 5
-        row["median_us"] = interleaved(fns)
-        ROUNDS = saved
+        row["median_us"] = interleaved(fns, rounds=5)
     except Exception as exc:  # noqa: BLE001
         row["error"] = repr(exc)[:400]
     res["swap_plans"] = row
