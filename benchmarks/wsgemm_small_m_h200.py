@@ -33,7 +33,9 @@ MS = [int(v) for v in os.environ.get("MS", "64,96,128,192,256").split(",")]
 SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
           "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672),
           # the unfused Llama-3.1-8B projections (not in the default SHAPES_SMALL)
-          "8B.k": (1024, 4096), "8B.gate": (14336, 4096)}
+          "8B.k": (1024, 4096), "8B.gate": (14336, 4096),
+          # other models' wide layers whose 128 x 256 plan fills 0.65-0.78 of the SMs (the wide tile's rule)
+          "Qwen2-7B.gate_up": (37888, 3584), "Llama-2-7B.gate_up": (22016, 4096)}
 SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)

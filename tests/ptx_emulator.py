@@ -64,6 +64,8 @@ def run_ptx_regs(asm: str, inputs: dict) -> dict:
             out = val(src[0]) >> int(src[1])
         elif op == "shl.b32":
             out = (val(src[0]) << int(src[1])) & 0xFFFFFFFF
+        elif op == "mul.lo.u32":
+            out = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
         elif op == "max.u32":
             out = torch.maximum(val(src[0]), val(src[1]))
         elif op == "prmt.b32":
@@ -106,3 +108,16 @@ def sample_words_and_scales(n: int = 4096, seed: int = 0):
     sbytes[:8] = torch.tensor([0, 1, 7, 8, 0x38, 0x70, 0x7E, 0x40])
     return words, ref, sbytes.to(torch.uint8).view(torch.float8_e4m3fn).double()
 
+
+def multiply_decode_words() -> torch.Tensor:
+    """Words for the multiply decode's tests: ``sample_words_and_scales``'s, and for each register p
+    every one of the 256 pairs of codes (p, p + 4) it decodes, among random other codes."""
+    words, _, _ = sample_words_and_scales()
+    gen = torch.Generator().manual_seed(1)
+    pairs = torch.arange(256, dtype=torch.int64)
+    extra = []
+    for p in range(4):
+        w = torch.randint(0, 2**32, (256,), generator=gen, dtype=torch.int64)
+        w &= ~((0xF << (4 * p)) | (0xF << (4 * p + 16)))
+        extra.append(w | ((pairs & 0xF) << (4 * p)) | ((pairs >> 4) << (4 * p + 16)))
+    return torch.cat([words, *extra])

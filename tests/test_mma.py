@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 mma = pytest.importorskip("fp4ptq.kernels.mma")
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, _prmt, sample_words_and_scales  # noqa: E402
+from ptx_emulator import _halves, _prmt, multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
 from fp4ptq.kernels import gemm  # noqa: E402
 
 
@@ -72,6 +72,36 @@ def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
     for p, (mag, sign) in enumerate(getattr(mma, shifts)):
         assert f"{mul} ${p}, a, $12;" in text
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
+
+
+def test_multiply_decode_gives_the_shift_decodes_bits():
+    """_DECODE_MUL (three integer operations a register, one shift a word) writes the same four
+    registers as _DECODE for every pair of codes each register holds, under every sampled scale."""
+    words = multiply_decode_words()
+    _, _, scale = sample_words_and_scales(len(words), seed=2)
+    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": s16 | (s16 << 16) for i in range(4)}}
+    shift, mul = run_ptx_regs(mma._DECODE.value, inputs), run_ptx_regs(mma._DECODE_MUL.value, inputs)
+    for p in range(4):
+        assert torch.equal(shift[f"${p}"], mul[f"${p}"]), p
+    text = mma._DECODE_MUL.value
+    assert text.count("mul.lo.u32") == 4 and text.count("mul.rn.bf16x2") == 4 and text.count("shr.u32") == 1
+    assert "shl.b32" not in text and text.count("and.b32") == 8
+
+
+@pytest.mark.parametrize("mul", [False, True])
+def test_multiply_decode_build_compiles_for_sm90(mul):
+    """The MUL build (bf16) puts the multiply decode in the loop in place of the shifts, with no
+    local memory; SASS counts of both builds are in benchmarks/NOTES.md (twenty-seventh pass)."""
+    cfg = dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=False, MUL=mul)
+    ce = dict(cfg)
+    ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(128, 16, 128, 4)))
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": "*bf16", "y_ptr": "*fp32"}
+    ptx = compile_for(mma._mma_kernel, types, ce, gluon=True, num_warps=4).asm["ptx"]
+    assert ("mul.lo.u32 a, a, 0x1040" in ptx) == mul and ("and.b32 a, a, 0x81c081c0" in ptx) == mul
+    assert ("or.b32 a, a, b" in ptx) != mul  # the shift decode joins its magnitude and sign moves
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @pytest.mark.parametrize("cfg", [

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
 from compile_target import compile_for  # noqa: E402
+from ptx_emulator import multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
 from fp4ptq.kernels import mma  # noqa: E402
 
 
@@ -107,6 +108,21 @@ def test_decode_asm_reads_each_rows_word_and_scale():
             assert (f"shl.b32 a, {word}, {mag};" if mag > 0 else f"shr.u32 a, {word}, {-mag};") in line
 
 
+def test_multiply_decode_gives_the_shift_decodes_bits():
+    """_DECODE_MUL (mma.py's multiply decode, three integer operations a register) writes the same
+    four registers as _DECODE, rows g and g + 8 from their own words and scales."""
+    words = multiply_decode_words()
+    other = words.roll(1)
+    _, _, scale = sample_words_and_scales(len(words), seed=3)
+    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    inputs = {**{f"${4 + i}": (words if i % 2 == 0 else other) for i in range(8)},
+              "$12": s16 | (s16 << 16), "$13": s16.roll(5) | (s16.roll(5) << 16)}
+    shift, mul = run_ptx_regs(wgmma._DECODE.value, inputs), run_ptx_regs(wgmma._DECODE_MUL.value, inputs)
+    for q in range(4):
+        assert torch.equal(shift[f"${q}"], mul[f"${q}"]), q
+    assert wgmma._DECODE_MUL.value.count("mul.lo.u32") == 4 and "shr" not in wgmma._DECODE_MUL.value
+
+
 def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
     ce = dict(cfg, FENCE=True)
     ce.setdefault("HAS_XENC", False)
@@ -125,6 +141,7 @@ def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
     (dict(BN=128, BM=256, BK=64, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=True), "bf16"),
     (dict(BN=64, BM=128, BK=64, WARPS=4, STAGES=2, WAIT=1, SPLIT=False, HAS_BIAS=True), "fp16"),
     (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=False, HAS_XENC=True), "bf16"),
+    (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=True, HAS_BIAS=False, MUL=True), "bf16"),
 ])
 def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
     """The kernel builds for the H200's sm_90: an asynchronous wgmma m64nBMk16 with the
@@ -139,6 +156,7 @@ def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg['BM']}k16\.f32\.{ty}\.{ty}", ptx)
     assert "cp.async" in ptx and "wgmma.wait_group" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ("mul.lo.u32 a, a, 0x1040" in ptx) == cfg.get("MUL", False)  # the multiply decode (bf16)
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),

@@ -21,7 +21,7 @@ pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
 from fp4ptq.kernels import gemm, mma  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, run_ptx_regs, sample_words_and_scales  # noqa: E402
+from ptx_emulator import _halves, multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -41,6 +41,20 @@ def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
         assert torch.equal(hi, ref[:, 2 * q + 1] * scale * out_pow), q
 
 
+def test_multiply_decoder_ptx_gives_the_shift_decoders_bits():
+    """_DECODE_MUL (the decoder with mma.py's multiply decode) writes the same four natural-order
+    pairs as _DECODE for every pair of codes a register decodes."""
+    words = multiply_decode_words()
+    _, _, scale = sample_words_and_scales(len(words), seed=4)
+    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": s16 | (s16 << 16) for i in range(4)}}
+    shift, mul = run_ptx_regs(ws._DECODE.value, inputs), run_ptx_regs(ws._DECODE_MUL.value, inputs)
+    for q in range(4):
+        assert torch.equal(shift[f"${q}"], mul[f"${q}"]), q
+    text = ws._DECODE_MUL.value
+    assert text.count("mul.lo.u32") == 4 and text.count("prmt.b32") == 4 and text.count("mul.rn.bf16x2") == 4
+
+
 def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
     text = ws._DECODE.value
     assert text.count("mul.rn.bf16x2") == 4 and text.count("prmt.b32") == 4
@@ -48,7 +62,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
-def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False):
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False, mul=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -63,12 +77,21 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap)
+              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap, MUL=mul)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
              "count_ptr": "*i32", "sum_ptr": "*i32"}
     return compile_for(ws._ws_kernel, types, ce, gluon=True, divisible=("N", "stride_ym", "n0"),
                        num_warps=warps, maxnreg=maxnreg)
+
+
+@pytest.mark.parametrize("cfg,swap", [(ws.DEFAULT_CONFIG, True), (ws.SMALL_M_CONFIG, False), (ws.WIDE_M_CONFIG, False)])
+def test_multiply_decoder_build_compiles_for_sm90(cfg, swap):
+    """The decoder with the multiply decode (``MUL``, bf16) builds for sm_90 on the 256-, 128- and wide
+    tiles: the multiply and its mask in place of the shifts, no local memory."""
+    ptx = _compile(cfg, "bf16", swap=swap, mul=True).asm["ptx"]
+    assert "mul.lo.u32 a, a, 0x1040" in ptx and "and.b32 a, a, 0x81c081c0" in ptx and "or.b32 a, a, b" not in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @pytest.mark.parametrize("cfg,dt,bias,xenc", [

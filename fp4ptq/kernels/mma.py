@@ -43,6 +43,7 @@ benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -89,7 +90,36 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
     return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
 
 
+def decode_mul_line(dst: str, word: str, scale: str, q: int) -> str:
+    """PTX of one decoded bf16 register in three integer operations instead of five (gemm.py's
+    ``_pair_mul``): codes ``q`` and ``q + 4`` of ``word`` (q = 0, 1) isolated, one multiply by
+    ``2^(6 - 4q) + 2^(12 - 4q)`` makes two copies of each nibble (the four fields never overlap, so
+    no carries), one mask keeps the magnitude of the first copy (bits 6..8) and the sign of the
+    second (bit 15); then times ``scale``. The same bits as ``decode_line`` with ``DECODE_SHIFTS[q]``;
+    codes 2, 3 (6, 7) are codes 0, 1 of the word shifted right by 8."""
+    return (f"and.b32 a, {word}, {0x000F000F << (4 * q):#010x}; "
+            f"mul.lo.u32 a, a, {(1 << (6 - 4 * q)) + (1 << (12 - 4 * q)):#x}; "
+            f"and.b32 a, a, {MAG_MASK | SIGN_MASK:#010x}; mul.rn.bf16x2 {dst}, a, {scale};")
+
+
+def decode_mul_lines(dsts, word: str, scale: str) -> list:
+    """``decode_mul_line`` for the four registers ``dsts`` (codes (p, p + 4), p = 0..3) of ``word``:
+    one ``shr`` into ``b`` gives codes 2, 3 as codes 0, 1 (``a``, ``b`` scratch registers)."""
+    return [f"shr.u32 b, {word}, 8;"] + [decode_mul_line(d, word if p < 2 else "b", scale, p % 2)
+                                          for p, d in enumerate(dsts)]
+
+
+def _decode_mul_asm() -> str:
+    """``_decode_asm``'s bf16 PTX with the multiply decode (``decode_mul_line``): 17 operations a
+    word instead of 24, the same bits."""
+    return "\n".join(["{", ".reg .b32 a, b;", *decode_mul_lines([f"${p}" for p in range(4)], "$4", "$12"), "}"])
+
+
+# FP4PTQ_MMA_MULDEC=1: the bf16 decode by multiply (``decode_mul_line``) instead of shifts
+MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "0") != "0"
+
 _DECODE = gl.constexpr(_decode_asm())
+_DECODE_MUL = gl.constexpr(_decode_mul_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _DECODE_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 # 8 activations (k .. k+7 as four bf16x2: $4 = (x0, x1) .. $7 = (x6, x7)) -> the decode's pairs
@@ -185,7 +215,7 @@ def _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off):
 
 @gluon.jit
 def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-              BK: gl.constexpr):
+              BK: gl.constexpr, MUL: gl.constexpr = False):
     """One step's loads -> the MMA's A (decoded, scaled weight ``[BN, BK]``) and
     B (activations ``[BK, BM]``), both in K order ``32 s + 8 c + j`` with the
     pairs of every 8 as (0, 4), (1, 5), (2, 6), (3, 7). No data moves between
@@ -206,6 +236,8 @@ def _operands(wp, sb, xp, a_l: gl.constexpr, b_l: gl.constexpr, BN: gl.constexpr
     sc = gl.convert_layout(gl.reshape(_spread8(sc), [BN, BK]), a_l, assert_trivial=True)
     if xp.dtype == gl.float16:
         a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
+    elif MUL:
+        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     else:
         a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     xt = gl.reshape(gl.permute(gl.reshape(xp, [4, S, 8, BM]), [1, 0, 2, 3]), [BK, BM])
@@ -244,7 +276,7 @@ def _mma_kernel(
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
-    TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = False,
+    TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = False, MUL: gl.constexpr = False,
 ):
     if TRIGGER:  # K split (gemm.split_pdl): the summing pass, a programmatic dependent, may launch now
         _launch_dependents()
@@ -312,20 +344,20 @@ def _mma_kernel(
             _copy(s_ring.index(nxt), s_ptr + kc // 16 + sc_off)
             _copy(x_ring.index(nxt), x_ptr + kc + xc_off)
             async_copy.commit_group()
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MUL)
             acc = mma_v2(a, b, acc)
         async_copy.wait_group(0)
     elif STAGES == 0:  # register prefetch: the next step's loads are in flight during this step's math
         wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k_lo, w_off, s_off, x_off)
         for k0 in range(k_lo, k_last + BK, BK):
             wn, sn, xn = _load_step(w_ptr, s_ptr, x_ptr, gl.minimum(k0 + BK, k_last), w_off, s_off, x_off)
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MUL)
             acc = mma_v2(a, b, acc)
             wp, sb, xp = wn, sn, xn
     else:
         for k0 in range(k_lo, k_last + BK, BK):
             wp, sb, xp = _load_step(w_ptr, s_ptr, x_ptr, k0, w_off, s_off, x_off)
-            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MUL)
             acc = mma_v2(a, b, acc)
 
     no = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -443,7 +475,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
              BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             TRIGGER=trigger, num_warps=warps, **(dict(WAIT=True, launch_pdl=True) if wait else {})))
+             TRIGGER=trigger, MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps, **(dict(WAIT=True, launch_pdl=True) if wait else {})))
     run = split_run(launch, splits, y, bias, trigger)
     if not wait:
         return run

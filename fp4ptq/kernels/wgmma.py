@@ -47,6 +47,7 @@ tests/test_wgmma.py; GPU checks and timings: benchmarks/wgmma_h200.py
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -59,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ._ints import cdiv
 from ._launch import Launch
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
-                  _index, _layouts, _sync, decide_once, decode_line, product_check, run_once, sm90_reason,
+                  _index, _layouts, _sync, decide_once, decode_line, decode_mul_line, product_check, run_once, sm90_reason,
                   stop_using, store_output)
 
 
@@ -75,7 +76,18 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") ->
     return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
 
 
+def _decode_mul_asm() -> str:
+    """``_decode_asm``'s bf16 PTX with mma.py's multiply decode (``decode_mul_line``: 4 operations a
+    register instead of 6; the words of codes 2, 3, 6, 7 come shifted right by 8 already)."""
+    lines = [decode_mul_line(f"${q}", f"${4 + 2 * (q % 2)}", f"${12 + q % 2}", q // 2) for q in range(4)]
+    return "\n".join(["{", ".reg .b32 a;", *lines, "}"])
+
+
+# FP4PTQ_WGMMA_MULDEC=1: the bf16 decode by multiply instead of shifts
+MULDEC = os.environ.get("FP4PTQ_WGMMA_MULDEC", "0") != "0"
+
 _DECODE = gl.constexpr(_decode_asm())
+_DECODE_MUL = gl.constexpr(_decode_mul_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 
 
@@ -127,7 +139,8 @@ def _spread(v):
 
 
 @gluon.jit
-def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
+def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr,
+               MUL: gl.constexpr = False):
     """One step's words ``[BN, BK/8]`` and scale bytes ``[BN, BK/16]`` -> the
     decoded, scaled weight ``[BN, BK]`` in the wgmma A layout (logical K)."""
     S: gl.constexpr = BK // 32
@@ -149,6 +162,8 @@ def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F1
     sc = gl.convert_layout(gl.reshape(sc, [BN, BK]), a_l, assert_trivial=True)
     if F16:
         a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
+    elif MUL:
+        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     else:
         a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     return a
@@ -168,7 +183,7 @@ def _b_store(xr, b_smem, BM: gl.constexpr, BK: gl.constexpr):
 def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off, sc_off, x_off,
           k_lo, k_last, a_l: gl.constexpr, F16: gl.constexpr, STAGES: gl.constexpr,
           BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
-          XL: gl.constexpr, WAIT: gl.constexpr, FENCE: gl.constexpr):
+          XL: gl.constexpr, WAIT: gl.constexpr, FENCE: gl.constexpr, MUL: gl.constexpr):
     """K step ``i``: decode its weight, issue its wgmma (B buffer ``i % 3``, stored
     during step ``i - 1``), store step ``i + 1``'s activations into buffer
     ``(i + 1) % 3`` while the wgmma runs, then wait until only this step's
@@ -181,7 +196,7 @@ def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
     slot = i % STAGES
     wp = w_ring.index(slot).load(WL)
     sb = s_ring.index(slot).load(SL)
-    a = _a_operand(wp, sb, a_l, BN, BK, F16)
+    a = _a_operand(wp, sb, a_l, BN, BK, F16, MUL)
     tok = warpgroup_mma(a, b_buf.index(i % 3), acc, is_async=True)
     _b_store(xr, b_buf.index((i + 1) % 3), BM, BK)
     # the proxy fence compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S: the MEMBAR may wait for this
@@ -208,7 +223,7 @@ def _wgmma_kernel(
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr,
     FENCE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
-    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, MUL: gl.constexpr = False,
 ):
     KW = KW8 * 8  # words a row (K / 8)
     KB = KB4 * 4  # scale bytes a row (K / 16)
@@ -255,10 +270,10 @@ def _wgmma_kernel(
     for j in range((k_hi - k_lo) // (2 * BK)):
         acc, a0, xr = _step(2 * j, acc, a1, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
                             sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
-                            WL, SL, XL, WAIT, FENCE)
+                            WL, SL, XL, WAIT, FENCE, MUL)
         acc, a1, xr = _step(2 * j + 1, acc, a0, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
                             sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
-                            WL, SL, XL, WAIT, FENCE)
+                            WL, SL, XL, WAIT, FENCE, MUL)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -371,7 +386,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         (x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait),
-             FENCE=_FENCE, BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
+             FENCE=_FENCE, BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc,
+             MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps,
              **({"maxnreg": int(maxnreg)} if maxnreg else {})))
     return split_run(launch, splits, y, bias)
 

@@ -80,18 +80,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ._ints import cdiv
 from ._launch import Launch
 from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
-                  decide_once, decode_line, product_check, sm90_reason, stop_using)
+                  decide_once, decode_line, decode_mul_lines, product_check, sm90_reason, stop_using)
 
 # the four decoded registers (codes (p, p + 4) in register p) -> natural pairs (0, 1), (2, 3), (4, 5), (6, 7):
 # prmt 0x5410 takes both low halves, 0x7632 both high halves (first operand in the low half)
 NATURAL_PAIRS = (("r0", "r1", 0x5410), ("r2", "r3", 0x5410), ("r0", "r1", 0x7632), ("r2", "r3", 0x7632))
 
 
-def decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
+def decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2", muldec: bool = False) -> str:
     """PTX of one word: outputs $0-$3 the 16-bit-float pairs of codes (0, 1),
     (2, 3), (4, 5), (6, 7) times the scale pair; $4-$11 the word (8 copies of
     one register), $12-$15 the scale pairs (equal)."""
-    lines = [decode_line(f"r{p}", "$4", "$12", shifts[p], mag_mask, mul) for p in range(4)]
+    if muldec:  # bf16 by mma.py's multiply decode: 17 operations a word instead of 24, the same bits
+        lines = decode_mul_lines([f"r{p}" for p in range(4)], "$4", "$12")
+    else:
+        lines = [decode_line(f"r{p}", "$4", "$12", shifts[p], mag_mask, mul) for p in range(4)]
     perm = [f"prmt.b32 ${q}, {a}, {b}, {sel:#06x};" for q, (a, b, sel) in enumerate(NATURAL_PAIRS)]
     return "\n".join(["{", ".reg .b32 a, b, r0, r1, r2, r3;", *lines, *perm, "}"])
 
@@ -108,6 +111,7 @@ else:  # pragma: no cover - the H200's Triton 3.6
 
 
 _DECODE = gl.constexpr(decode_asm())
+_DECODE_MUL = gl.constexpr(decode_asm(muldec=True))
 _DECODE_F16 = gl.constexpr(decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 
@@ -149,7 +153,7 @@ def _issue_scales(s_desc, s_ring, s_ready, g, g0, off_n):
 
 
 @gluon.jit
-def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
+def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i, MUL: gl.constexpr):
     """Decode one K step: the code words of ring slot ``w_slot`` ``[BN, BK/8]`` times the scale bytes
     ``s_slice`` ``[BN, BK/16]`` into decoded slot ``i % BSTAGES`` (``i`` counts the program's steps), once
     the consumers released it; then one proxy fence and the slot's arrival."""
@@ -175,7 +179,7 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
         dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
     else:
         sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl, assert_trivial=True)
-        dec = gl.inline_asm_elementwise(_DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
+        dec = gl.inline_asm_elementwise(_DECODE_MUL if MUL else _DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
     b = i % BSTAGES
     mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
     b_ring.index(b).store(dec)
@@ -187,7 +191,7 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
 
 @gluon.jit
 def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
-             off_n, k0, k_steps):
+             off_n, k0, k_steps, MUL: gl.constexpr):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
@@ -209,7 +213,7 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
                 s = i % XSTAGES
                 mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
                 sb = s_ring.index(g % 2).slice(j * (BK // 16), BK // 16, dim=1)
-                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, i)
+                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, i, MUL)
                 # step i + XSTAGES - 2 into the slot of step i - 2, whose activations the consumers released
                 # when MMA i - 2 completed, which they wait for after issuing MMA i - 1 (decoded before):
                 # this wait does not hold up the next decode. (Refilling the slot of step i - 1 here, run v3,
@@ -435,7 +439,8 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                full_tiles, splits, k_chunk, n0, n_parts, count_ptr, sum_ptr, n_summers,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False):
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False,
+               MUL: gl.constexpr = False):
     # one program an item (``_item``); with SUM_SPLITS (the split count; 0: a second launch sums) the split
     # tiles are summed in this launch
     pid = gl.program_id(0)
@@ -447,7 +452,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     acc = gl.warp_specialize([
         (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS, SWAP)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
-                    off_m, off_n, k0, ks)),
+                    off_m, off_n, k0, ks, MUL)),
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS, HAS_XENC, BM, BN, WARPS, SWAP)
@@ -701,6 +706,8 @@ def supports(m: int, n: int, k: int) -> bool:
 # 8B down at 512 108.9 -> 100.4, W4A4 8B qkv at 8192 779 -> 738), the other 6 within 1.5% either way.
 # FP4PTQ_WSGEMM_SWAP=0 keeps the activations as A everywhere.
 SWAP_AB = os.environ.get("FP4PTQ_WSGEMM_SWAP", "1") != "0"
+# FP4PTQ_WSGEMM_MULDEC=1: the decoder's bf16 decode by multiply (mma.decode_mul_line) instead of shifts
+MULDEC = os.environ.get("FP4PTQ_WSGEMM_MULDEC", "0") != "0"
 
 
 def swapped(cfg: tuple) -> bool:
@@ -803,7 +810,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
              WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0, SWAP=swap,
-             num_warps=warps, maxnreg=maxnreg))
+             MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
     def run(x2, *tensors):
