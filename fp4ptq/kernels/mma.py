@@ -115,8 +115,10 @@ def _decode_mul_asm() -> str:
     return "\n".join(["{", ".reg .b32 a, b;", *decode_mul_lines([f"${p}" for p in range(4)], "$4", "$12"), "}"])
 
 
-# FP4PTQ_MMA_MULDEC=1: the bf16 decode by multiply (``decode_mul_line``) instead of shifts
-MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "0") != "0"
+# The bf16 decode by multiply (``decode_mul_line``), bit-equal to the shifts; H200 (results/muldec_tc_h200.json,
+# 3 interleaved rounds): M = 16 on the six Llama-3.1 layers 0.5-2% faster (70B down 65.4 -> 64.1 us), M = 4 / 32
+# -6% to +2.4%. FP4PTQ_MMA_MULDEC=0: the shift decode.
+MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "1") != "0"
 
 _DECODE = gl.constexpr(_decode_asm())
 _DECODE_MUL = gl.constexpr(_decode_mul_asm())
