@@ -9,8 +9,9 @@ Knobs: PHASES (comma-separated, default "checks,mma,wgmma,wsgemm"), ROUNDS (3), 
 default 4,16,32,64), WG_MS (wgmma.py's, 96,128), WS_MS (wsgemm.py's, 128,256,1024), BUDGET_S (stop timing
 new rows after this many seconds, 480), REPEATS (calls of each check with the attribute on, compared
 bit for bit, 2), MULDEC_JSON (file name), ATTR (the module attribute compared off /
-on, default MULDEC; e.g. CONSUMER_LOADS, wsgemm.py's only: PHASES=checks,wsgemm; other attributes' columns
-are "off" / "on" instead of "shift" / "mul").
+on, default MULDEC; e.g. SWAP_AB, wsgemm.py's only: PHASES=checks,wsgemm; session 27 ran it on a
+CONSUMER_LOADS build since removed, results/wsgemm_consumer_loads_h200.json; other attributes' columns are
+"off" / "on" instead of "shift" / "mul").
 """
 from __future__ import annotations
 

@@ -62,8 +62,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
-def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False, mul=False,
-             cl=False):
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False, mul=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -78,7 +77,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap, MUL=mul, CL=cl)
+              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap, MUL=mul)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
              "count_ptr": "*i32", "sum_ptr": "*i32"}
@@ -93,23 +92,6 @@ def test_multiply_decoder_build_compiles_for_sm90(cfg, swap):
     ptx = _compile(cfg, "bf16", swap=swap, mul=True).asm["ptx"]
     assert "mul.lo.u32 a, a, 0x1040" in ptx and "and.b32 a, a, 0x81c081c0" in ptx and "or.b32 a, a, b" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-@pytest.mark.parametrize("cfg,swap", [(ws.DEFAULT_CONFIG, True), (ws.SMALL_M_CONFIG, False), (ws.WIDE_M_CONFIG, False),
-                                      (ws.TINY_M_CONFIG, False)])
-def test_consumer_loads_build_compiles_for_sm90(cfg, swap):
-    """``CONSUMER_LOADS``: the consumers refill each ring slot by TMA once the MMA that read it is
-    complete; the kernel still builds for sm_90 with its TMA copies, wgmma and register reallocation, no
-    local memory, and the same copies as the decoder-issued build (two per K step, one per scale group)."""
-    for summers in (False, True):
-        ptx = _compile(cfg, "bf16", swap=swap, mul=True, cl=True, summers=summers).asm["ptx"]
-        assert "cp.async.bulk.tensor.2d" in ptx and "setmaxnreg.inc" in ptx
-        assert "ld.local" not in ptx and "st.local" not in ptx
-        base = _compile(cfg, "bf16", swap=swap, mul=True, summers=summers).asm["ptx"]
-        # two copies a K step: the prologue copies 2 steps more (XSTAGES instead of XSTAGES - 2), the decoder's
-        # scale-group loop (unrolled over its G = 16 / (BK / 16) steps) none, the consumers' loop one step
-        g = 16 // (cfg[2] // 16)
-        assert ptx.count("cp.async.bulk.tensor.2d") == base.count("cp.async.bulk.tensor.2d") + 2 * 2 - 2 * g + 2
 
 
 @pytest.mark.parametrize("cfg,dt,bias,xenc", [

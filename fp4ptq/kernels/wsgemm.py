@@ -128,17 +128,14 @@ def _spread(v, n: gl.constexpr):
 
 
 @gluon.jit
-def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, kstep, off_m, off_n,
-                 WAIT_EMPTY: gl.constexpr = True):
+def _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, kstep, off_m, off_n):
     """TMA copies of K step ``kstep``'s activation tile and code words into ring slot ``j % XSTAGES``
     (``j`` counts this program's steps), once the consumers released the slot's previous activations
-    (the decoder, the slot's only other reader, read its words two or more steps ago). ``WAIT_EMPTY``
-    False: the caller knows the slot is free (the consumers' own loads, ``CONSUMER_LOADS``)."""
+    (the decoder, the slot's only other reader, read its words two or more steps ago)."""
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     s = j % XSTAGES
-    if WAIT_EMPTY:
-        mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
+    mbarrier.wait(x_empty.index(s), ((j // XSTAGES) & 1) ^ 1)  # fresh barriers count as phase 1 completed
     mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
     _tma_load(x_desc, [off_m, kstep * BK], ready.index(s), x_ring.index(s))
     _tma_load(w_desc, [off_n, kstep * (BK // 8)], ready.index(s), w_ring.index(s))
@@ -194,7 +191,7 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i, MUL: gl.constexpr
 
 @gluon.jit
 def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
-             off_n, k0, k_steps, MUL: gl.constexpr, CL: gl.constexpr):
+             off_n, k0, k_steps, MUL: gl.constexpr):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
@@ -203,11 +200,9 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
     # this program's K steps k0 .. k0 + k_steps - 1 (k0 a multiple of G: whole scale groups)
     g0 = k0 // G
     _issue_scales(s_desc, s_ring, s_ready, 0, g0, off_n)
-    # the first steps' copies (with CONSUMER_LOADS every slot: the consumers refill each one after its MMA)
-    AHEAD: gl.constexpr = XSTAGES if CL else XSTAGES - 2
-    for j in gl.static_range(AHEAD):
+    for j in gl.static_range(XSTAGES - 2):
         if j < k_steps:
-            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0 + j, off_m, off_n, not CL)
+            _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, j, k0 + j, off_m, off_n)
     for g in range(gl.cdiv(k_steps, G)):
         if (g + 1) * G < k_steps:
             _issue_scales(s_desc, s_ring, s_ready, g + 1, g0, off_n)
@@ -224,16 +219,14 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
                 # this wait does not hold up the next decode. (Refilling the slot of step i - 1 here, run v3,
                 # waited for MMA i - 1 every step, so step i + 1's decode started only when MMA i did;
                 # before step i's decode it would deadlock.)
-                if not CL:
-                    if i + XSTAGES - 2 < k_steps:
-                        _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2,
-                                     k0 + i + XSTAGES - 2, off_m, off_n)
+                if i + XSTAGES - 2 < k_steps:
+                    _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, i + XSTAGES - 2,
+                                 k0 + i + XSTAGES - 2, off_m, off_n)
 
 
 @gluon.jit
 def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.constexpr, BN: gl.constexpr,
-              XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr,
-              x_desc, w_desc, w_ring, off_m, off_n, k0, CL: gl.constexpr):
+              XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr, SWAP: gl.constexpr):
     # the accumulator [BM, BN] (activation rows x weight rows), or with SWAP [BN, BM] (the decoded weight
     # tile is wgmma's A operand, the activations its B, BM wide); (a layout cannot be returned by a
     # function in Triton 3.6, hence the arithmetic on SWAP)
@@ -255,12 +248,7 @@ def _consumer(x_ring, ready, x_empty, b_ring, b_ready, b_empty, k_steps, BM: gl.
         acc = warpgroup_mma_wait(1, deps=[acc])  # step i - 1's MMA is complete: release its slots
         p = (i + XSTAGES - 1) % XSTAGES
         q = (i + BSTAGES - 1) % BSTAGES
-        if CL:  # step i - 1's slot is free (its MMA is complete, its words were decoded before it): refill it
-            nxt = i - 1 + XSTAGES
-            if (i > 0) & (nxt < k_steps):
-                _issue_loads(x_desc, w_desc, x_ring, w_ring, ready, x_empty, nxt, k0 + nxt, off_m, off_n, False)
-        else:
-            mbarrier.arrive(x_empty.index(p), pred=i > 0)
+        mbarrier.arrive(x_empty.index(p), pred=i > 0)
         mbarrier.arrive(b_empty.index(q), pred=i > 0)
     acc = warpgroup_mma_wait(0, deps=[acc])
     return (acc,)  # the default partition returns a tuple of tensors
@@ -452,7 +440,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
                DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False,
-               MUL: gl.constexpr = False, CL: gl.constexpr = False):
+               MUL: gl.constexpr = False):
     # one program an item (``_item``); with SUM_SPLITS (the split count; 0: a second launch sums) the split
     # tiles are summed in this launch
     pid = gl.program_id(0)
@@ -462,10 +450,9 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     x_ring, w_ring, s_ring, s_ready, b_ring, ready, x_empty, b_ready, b_empty = _rings(
         x_desc, w_desc, s_desc, BM, BN, BK, XSTAGES, BSTAGES)
     acc = gl.warp_specialize([
-        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS, SWAP,
-                     x_desc, w_desc, w_ring, off_m, off_n, k0, CL)),
+        (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS, SWAP)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
-                    off_m, off_n, k0, ks, MUL, CL)),
+                    off_m, off_n, k0, ks, MUL)),
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS, HAS_XENC, BM, BN, WARPS, SWAP)
@@ -727,11 +714,6 @@ SWAP_AB = os.environ.get("FP4PTQ_WSGEMM_SWAP", "1") != "0"
 # rows 1.6-11% faster (M = 128: 8B gate_up 73.3 -> 65.1 us, 70B gate_up 276 -> 251; M = 1024: 8B qkv 91.9 -> 89.1,
 # 8B down 190.6 -> 183.2), 70B gate_up at M = 1024 +1.3%. FP4PTQ_WSGEMM_MULDEC=0: the shift decode.
 MULDEC = os.environ.get("FP4PTQ_WSGEMM_MULDEC", "1") != "0"
-# FP4PTQ_WSGEMM_CONSUMER_LOADS=1: the consumers issue each ring slot's TMA copies themselves, as soon as the MMA
-# that read the slot is complete, instead of the decoder waiting for the slot's release (``x_empty``) and
-# issuing them between its decode steps (a wait, the expect and 3-4 partition barriers a step off the decoder,
-# whose dependent chain sets the step's pace; session 27)
-CONSUMER_LOADS = os.environ.get("FP4PTQ_WSGEMM_CONSUMER_LOADS", "0") != "0"
 
 
 def swapped(cfg: tuple) -> bool:
@@ -834,7 +816,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
              WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0, SWAP=swap,
-             MUL=MULDEC and x2.dtype == torch.bfloat16, CL=CONSUMER_LOADS, num_warps=warps, maxnreg=maxnreg))
+             MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
     def run(x2, *tensors):
