@@ -10,7 +10,8 @@ cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
 * The weight is the A operand (``y^T = W x^T``: N fills the MMA's 16 rows, M
   its 8-wide columns). With ``k_width = 8`` each thread holds 8 consecutive K
   of a row, i.e. exactly one int32 word of 8 codes. The word is loaded once
-  (the 8 elements share an address) and decoded by bit moves into four
+  (the 8 elements share an address) and decoded by bit moves (bf16: mask,
+  multiply, mask, ``decode_mul_line``; fp16: shifts and masks) into four
   16-bit-float pairs, codes ``(p, p + 4)`` in register ``p``: bf16
   ``v * 2^-126`` times ``scale * 2^100`` (``mul.rn.bf16x2``), or fp16
   ``v * 2^-14`` times ``scale`` (``mul.rn.f16x2``); both products are exact

@@ -16,8 +16,9 @@ side by side, joined by mbarrier rings:
   the weight's code words ``[BN, BK/8]``, int32 of 8 codes, two steps ahead
   into an ``XSTAGES`` ring; scale bytes ``[BN, 16]`` for 16 / (BK / 16) steps
   into two slots), decodes every word into eight 16-bit floats in natural K
-  order (mma.py's shifts give codes ``(p, p + 4)`` in register ``p``; four
-  ``prmt`` reorder them to ``(2p, 2p + 1)``) and stores the tile ``[BN, BK]``
+  order (mma.py's decode gives codes ``(p, p + 4)`` in register ``p``, bf16 by
+  its multiply: mask, multiply, mask; four ``prmt`` reorder them to
+  ``(2p, 2p + 1)``) and stores the tile ``[BN, BK]``
   into a second ring (``BSTAGES`` deep) in the NVMMA-swizzled layout that
   wgmma reads;
 * two consumer warpgroups (the default partition) issue the asynchronous
@@ -709,8 +710,10 @@ def supports(m: int, n: int, k: int) -> bool:
 # 8B down at 512 108.9 -> 100.4, W4A4 8B qkv at 8192 779 -> 738), the other 6 within 1.5% either way.
 # FP4PTQ_WSGEMM_SWAP=0 keeps the activations as A everywhere.
 SWAP_AB = os.environ.get("FP4PTQ_WSGEMM_SWAP", "1") != "0"
-# The decoder's bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts: the decoder sets the step's
-# pace, so its 2 fewer operations a word showed. H200 (results/muldec_tc_h200.json, 3 interleaved rounds): 17 of 18
+# The decoder's bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts: 2 fewer operations a word
+# (about 6% of the decoder's step) made whole steps faster, so the decoder's work sets their pace (how is not
+# settled: taking the TMA copies and 4 barriers off its step instead measured +-6%,
+# results/wsgemm_consumer_loads_h200.json). H200 (results/muldec_tc_h200.json, 3 interleaved rounds): 17 of 18
 # rows 1.6-11% faster (M = 128: 8B gate_up 73.3 -> 65.1 us, 70B gate_up 276 -> 251; M = 1024: 8B qkv 91.9 -> 89.1,
 # 8B down 190.6 -> 183.2), 70B gate_up at M = 1024 +1.3%. FP4PTQ_WSGEMM_MULDEC=0: the shift decode.
 MULDEC = os.environ.get("FP4PTQ_WSGEMM_MULDEC", "1") != "0"
