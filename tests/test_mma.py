@@ -323,3 +323,25 @@ def test_gpus_that_cannot_run_it_are_refused_once_with_the_reason(monkeypatch):
     assert "sm_80" in mma.ready(torch.device("cuda", 0)) and not calls  # decided once for cuda:0
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     assert "ROCm" in mma.ready(torch.device("cuda", 1)) and not calls
+
+
+def test_launches_take_the_multiply_decode_for_bf16_unless_turned_off(monkeypatch):
+    """The launch asks for the MUL build with bf16 activations (fp16 keeps the shifts: no multiply twin),
+    and FP4PTQ_MMA_MULDEC=0 (``mma.MULDEC``) turns it off; likewise in wgmma.py and wsgemm.py."""
+    from fp4ptq.kernels import wgmma, wsgemm
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, kernel, grid, args, slots, kwargs):
+            seen.append(kwargs["MUL"])
+
+    words, sbits = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 256, dtype=torch.uint8)
+    for mod, m in ((mma, 16), (wgmma, 128), (wsgemm, 1024)):
+        monkeypatch.setattr(mod, "Launch", Recorder)
+        for flag in (True, False):
+            monkeypatch.setattr(mod, "MULDEC", flag)
+            for dt in (torch.bfloat16, torch.float16):
+                x, y = torch.zeros(m, 4096, dtype=dt), torch.empty(m, 4096, dtype=dt)
+                mod.launches(x, words, sbits, torch.ones(1), None, None, y)
+                assert seen.pop() == (flag and dt == torch.bfloat16), (mod.__name__, flag, dt)

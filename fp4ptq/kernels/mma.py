@@ -478,7 +478,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), k_split), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages),
              BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, XC=xc,
-             TRIGGER=trigger, MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps, **(dict(WAIT=True, launch_pdl=True) if wait else {})))
+             TRIGGER=trigger, MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps,
+             **(dict(WAIT=True, launch_pdl=True) if wait else {})))
     run = split_run(launch, splits, y, bias, trigger)
     if not wait:
         return run
