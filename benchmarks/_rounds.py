@@ -1,7 +1,9 @@
 """Helpers the H200 benchmark scripts share (they run their work on import, so they cannot import each
-other): interleaved timing rounds and the relative error against a reference."""
+other): interleaved timing rounds, the relative error against a reference, and a results file saved as
+rows come in."""
 from __future__ import annotations
 
+import json
 import statistics
 
 import peers_h200 as peers
@@ -58,3 +60,18 @@ def weight_cache(generator, device):
             made[(n, k)] = (w, w.dequantize(torch.bfloat16))
         return made[(n, k)]
     return weight
+
+
+def recorder(res: dict, path: str, digits: int = 3):
+    """``(save, record)`` for a script's results ``res``, kept as JSON at ``path``: ``save()`` rewrites the
+    file; ``record(key, row)`` appends ``row`` to ``res[key]``, prints it (floats rounded to ``digits``)
+    and saves."""
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def record(key: str, row: dict) -> None:
+        res[key].append(row)
+        print(json.dumps({a: (round(b, digits) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
+        save()
+    return save, record

@@ -15,13 +15,12 @@ CONSUMER_LOADS build since removed, results/wsgemm_consumer_loads_h200.json; oth
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 
-from _rounds import interleaved, rel
+from _rounds import interleaved, recorder, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import mma, wgmma, wsgemm
@@ -49,15 +48,7 @@ out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("MULDEC_JSON"
 res = {"env": peers.env(), "attr": ATTR, "ready": {}, "checks": [], "rows": []}
 
 
-def save():
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def record(key: str, row: dict) -> None:
-    res[key].append(row)
-    print(json.dumps({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
-    save()
+save, record = recorder(res, out_path, digits=4)
 
 
 def with_mul(path: str, flag: bool, fn):

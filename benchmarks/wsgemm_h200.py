@@ -24,6 +24,7 @@ import time
 import torch
 
 import peers_h200 as peers
+from _rounds import recorder, rel
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import wsgemm
@@ -53,20 +54,7 @@ res = {"env": peers.env(), "default": list(wsgemm.DEFAULT_CONFIG), "ready": None
        "w4a4": [], "variants": [], "split": [], "w4a4big": []}
 
 
-def save():
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def record(key: str, row: dict) -> None:
-    """Keep ``row`` under ``res[key]``, print it with floats rounded, save the file."""
-    res[key].append(row)
-    print(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}), flush=True)
-    save()
-
-
-def rel(y, ref):
-    return float((y.float() - ref.float()).norm() / ref.float().norm())
+save, record = recorder(res, out_path)
 
 
 def interleaved(fns: dict, rounds: int = 0) -> dict:

@@ -121,3 +121,16 @@ def multiply_decode_words() -> torch.Tensor:
         w &= ~((0xF << (4 * p)) | (0xF << (4 * p + 16)))
         extra.append(w | ((pairs & 0xF) << (4 * p)) | ((pairs >> 4) << (4 * p + 16)))
     return torch.cat([words, *extra])
+
+
+def bf16_scale_pair(scale: torch.Tensor) -> torch.Tensor:
+    """The decoders' bf16 scale operand: ``scale * 2^100`` (exact in bf16) in both halves of a word."""
+    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return s16 | (s16 << 16)
+
+
+def assert_same_registers(asm_a: str, asm_b: str, inputs: dict, outputs: int = 4) -> None:
+    """Both PTX blocks, run on the same ``inputs``, write the same bits to ``$0 .. $(outputs - 1)``."""
+    a, b = run_ptx_regs(asm_a, inputs), run_ptx_regs(asm_b, inputs)
+    for q in range(outputs):
+        assert torch.equal(a[f"${q}"], b[f"${q}"]), f"${q}"

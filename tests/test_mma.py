@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 mma = pytest.importorskip("fp4ptq.kernels.mma")
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, _prmt, multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
+from ptx_emulator import (_halves, _prmt, assert_same_registers, bf16_scale_pair, multiply_decode_words,  # noqa: E402
+                          sample_words_and_scales)
 from fp4ptq.kernels import gemm  # noqa: E402
 
 
@@ -78,12 +79,9 @@ def test_multiply_decode_gives_the_shift_decodes_bits():
     """_DECODE_MUL (three integer operations a register, one shift a word) writes the same four
     registers as _DECODE for every pair of codes each register holds, under every sampled scale."""
     words = multiply_decode_words()
-    _, _, scale = sample_words_and_scales(len(words), seed=2)
-    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": s16 | (s16 << 16) for i in range(4)}}
-    shift, mul = run_ptx_regs(mma._DECODE.value, inputs), run_ptx_regs(mma._DECODE_MUL.value, inputs)
-    for p in range(4):
-        assert torch.equal(shift[f"${p}"], mul[f"${p}"]), p
+    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=2)[2])
+    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}}
+    assert_same_registers(mma._DECODE.value, mma._DECODE_MUL.value, inputs)
     text = mma._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("mul.rn.bf16x2") == 4 and text.count("shr.u32") == 1
     assert "shl.b32" not in text and text.count("and.b32") == 8

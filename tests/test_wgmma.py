@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
+from ptx_emulator import assert_same_registers, bf16_scale_pair, multiply_decode_words, sample_words_and_scales  # noqa: E402
 from fp4ptq.kernels import mma  # noqa: E402
 
 
@@ -113,13 +113,9 @@ def test_multiply_decode_gives_the_shift_decodes_bits():
     four registers as _DECODE, rows g and g + 8 from their own words and scales."""
     words = multiply_decode_words()
     other = words.roll(1)
-    _, _, scale = sample_words_and_scales(len(words), seed=3)
-    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    inputs = {**{f"${4 + i}": (words if i % 2 == 0 else other) for i in range(8)},
-              "$12": s16 | (s16 << 16), "$13": s16.roll(5) | (s16.roll(5) << 16)}
-    shift, mul = run_ptx_regs(wgmma._DECODE.value, inputs), run_ptx_regs(wgmma._DECODE_MUL.value, inputs)
-    for q in range(4):
-        assert torch.equal(shift[f"${q}"], mul[f"${q}"]), q
+    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=3)[2])
+    inputs = {**{f"${4 + i}": (words if i % 2 == 0 else other) for i in range(8)}, "$12": pair, "$13": pair.roll(5)}
+    assert_same_registers(wgmma._DECODE.value, wgmma._DECODE_MUL.value, inputs)
     assert wgmma._DECODE_MUL.value.count("mul.lo.u32") == 4 and "shr" not in wgmma._DECODE_MUL.value
 
 

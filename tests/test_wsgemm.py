@@ -21,7 +21,8 @@ pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
 from fp4ptq.kernels import gemm, mma  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import _halves, multiply_decode_words, run_ptx_regs, sample_words_and_scales  # noqa: E402
+from ptx_emulator import (_halves, assert_same_registers, bf16_scale_pair, multiply_decode_words,  # noqa: E402
+                          run_ptx_regs, sample_words_and_scales)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -45,12 +46,9 @@ def test_multiply_decoder_ptx_gives_the_shift_decoders_bits():
     """_DECODE_MUL (the decoder with mma.py's multiply decode) writes the same four natural-order
     pairs as _DECODE for every pair of codes a register decodes."""
     words = multiply_decode_words()
-    _, _, scale = sample_words_and_scales(len(words), seed=4)
-    s16 = (scale * 2.0**100).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": s16 | (s16 << 16) for i in range(4)}}
-    shift, mul = run_ptx_regs(ws._DECODE.value, inputs), run_ptx_regs(ws._DECODE_MUL.value, inputs)
-    for q in range(4):
-        assert torch.equal(shift[f"${q}"], mul[f"${q}"]), q
+    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=4)[2])
+    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}}
+    assert_same_registers(ws._DECODE.value, ws._DECODE_MUL.value, inputs)
     text = ws._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("prmt.b32") == 4 and text.count("mul.rn.bf16x2") == 4
 
