@@ -7,7 +7,9 @@ W4A4, split tails), then interleaved rounds (medians, CUDA-graph replays).
     PYTHONPATH=$PWD:$PWD/.peers python benchmarks/wsgemm_small_m_h200.py   # $OUT/wsgemm_small_m_h200.json
 
 Knobs: PHASES (default "checks,small,big"; "fp16" times the shipped rule with fp16 activations at M = 64
-and 128 against mma.py / wgmma.py and cuBLAS fp16), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names),
+and 128 against mma.py / wgmma.py and cuBLAS fp16), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names;
+``SHAPES`` has the Llama-3.1 layers and other models' wide and narrow ones; at M = 65..128 the rows also time
+dequantize + cuBLAS, and shapes wsgemm does not take (K % 256 != 0) run without its variants),
 ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name), VARIANTS (the
 small-tile variants to run, comma-separated; default all), BIG_VARIANTS (likewise at M = 1024).
 """
@@ -35,7 +37,13 @@ SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
           # the unfused Llama-3.1-8B projections (not in the default SHAPES_SMALL)
           "8B.k": (1024, 4096), "8B.gate": (14336, 4096),
           # other models' wide layers whose 128 x 256 plan fills 0.65-0.78 of the SMs (the wide tile's rule)
-          "Qwen2-7B.gate_up": (37888, 3584), "Llama-2-7B.gate_up": (22016, 4096)}
+          "Qwen2-7B.gate_up": (37888, 3584), "Llama-2-7B.gate_up": (22016, 4096),
+          # other models' narrower layers, which wsgemm's rule leaves to wgmma.py at M = 65..128 (N under
+          # MIN_N_SMALL_M, K under MIN_K, or a plan filling under MIN_WAVE_FILL; Qwen2-72B down: K % 256 != 0)
+          "Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.o": (3584, 3584), "Qwen2-7B.down": (3584, 18944),
+          "Gemma-2-9B.o": (3584, 4096), "Gemma-2-9B.down": (3584, 14336), "Phi-3-mini.qkv": (9216, 3072),
+          "Phi-3-mini.o": (3072, 3072), "Phi-3-mini.down": (3072, 8192), "Llama-2-7B.qkv": (12288, 4096),
+          "Qwen2-72B.down": (8192, 29568)}
 SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)
@@ -147,20 +155,22 @@ for name in (SMALL if "small" in PHASES else []):
             fns["mma"] = lambda: gm.linear_w4a16(x, wq, path="mma")
         elif m <= 128:
             fns["wgmma"] = lambda: gm.linear_w4a16(x, wq, path="wgmma")
+            fns["dequant_cublas"] = lambda: gm.linear_w4a16(x, wq, path="cublas")
         else:
             fns["ws_default"] = ws_call(x, wq, wsgemm.DEFAULT_CONFIG)
             fns["dequant_cublas"] = lambda: gm.linear_w4a16(x, wq, path="cublas")
         for label, cfg in SMALL_VARIANTS.items():
-            if ok.get(label):
+            if ok.get(label) and wsgemm.supports(m, n, k):
                 fns["ws_" + label] = ws_call(x, wq, cfg)
         row = {"shape": name, "m": m, "dispatch_path": gm._auto_path(m, torch.bfloat16, False, k, dev, n),
                "plans": {lb: wsgemm.plan(m, n, k, 132, c) for lb, c in SMALL_VARIANTS.items()},
                "median_us": interleaved(fns, ROUNDS)}
         t = row["median_us"]
-        best = min((v, lb) for lb, v in t.items() if lb.startswith("ws_") and isinstance(v, float))
-        row["best_ws"] = best[1]
-        row["best_ws_vs_cublas"] = t["cublas_bf16"] / best[0]
-        row["best_ws_vs_dispatch"] = t["dispatch"] / best[0]
+        best = min(((v, lb) for lb, v in t.items() if lb.startswith("ws_") and isinstance(v, float)), default=None)
+        if best is not None:
+            row["best_ws"] = best[1]
+            row["best_ws_vs_cublas"] = t["cublas_bf16"] / best[0]
+            row["best_ws_vs_dispatch"] = t["dispatch"] / best[0]
         res["small"].append(row)
         print(json.dumps({"shape": name, "m": m, "dispatch": row["dispatch_path"],
                           "us": {a: (round(b, 2) if isinstance(b, float) else b) for a, b in t.items()}}), flush=True)
