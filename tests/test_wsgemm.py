@@ -162,6 +162,15 @@ def test_shape_rule_follows_the_measured_rows():
     assert not ws.preferred(32, 28672, 4096)  # mma.py's 32-row tile, not timed against these
     # narrower than the measured layers (k / v of Llama-3.1-8B, 1024 rows): mma.py / wgmma.py keep them
     assert not ws.preferred(64, 1024, 4096) and not ws.preferred(128, 2048, 4096) and ws.preferred(129, 1024, 4096)
+    # M = 65..128 from 3072 rows and K = 3072 at any fill (wsgemm_narrow_h200.json: ahead of wgmma.py on every
+    # such layer measured: Qwen2-7B qkv / o / down, Gemma-2-9B o / down, Phi-3-mini qkv / o / down, Llama-2-7B qkv)
+    for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (3584, 4096), (3584, 14336), (9216, 3072),
+                 (3072, 3072), (3072, 8192), (12288, 4096)):
+        assert ws.preferred(65, n, k) and ws.preferred(128, n, k, w4a4=True)
+        if n < ws.MIN_N_SMALL_M:  # M = 33..64 (the 64-row tile) keeps its rule: mma.py there
+            assert not ws.preferred(64, n, k)
+    assert not ws.preferred(128, 8192, 29568)  # Qwen2-72B down: K % 256 (TMA's scale rows) stays on wgmma.py
+    assert not ws.preferred(128, 3072, 2048) and not ws.preferred(128, 2560, 4096)  # below the measured N / K
     assert not ws.preferred(1024, 28672, 4160)  # K % 256
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)

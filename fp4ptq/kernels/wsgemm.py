@@ -540,6 +540,12 @@ MAX_M_W4A4, MAX_M_W4A4_LONG_K = 8192, 2048
 # o at 256: 21.9 against 17.0; Qwen2-7B qkv at 1024: 68.8 against 59.9), so those need K >= 4096
 MIN_K = 4096
 MIN_K_WIDE, MIN_N_WIDE = 3072, 8192
+# M = 65..128 with the 128-row tiles on narrower layers (results/wsgemm_narrow_h200.json, M = 80 / 96 / 128, 3
+# interleaved rounds): ahead of wgmma.py (whose 64-row tiles decode every weight twice at M = 128) on every
+# layer measured from 3072 rows and K = 3072 on, whatever the plan's fill (0.19-0.74): Qwen2-7B qkv 27.1 ->
+# 18.6 us at M = 128, Qwen2-7B down 87.5 -> 54.2, Llama-2-7B qkv 54.9 -> 39.6, Gemma-2-9B o 19.7 -> 17.3, Phi-3-mini
+# o 16.6 -> 15.9 (the least); behind at 1024 rows (8B k at M = 128: 15.9 against 11.6, session 23)
+MIN_N_MID, MIN_K_MID = 3072, 3072
 
 # The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
 # PROGRAM_STEPS steps beside its own; the summing launch about SUM_STEPS plus one step per SUM_BYTES_A_STEP
@@ -686,8 +692,11 @@ def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> boo
     8192 where K <= 4096; 33..128 with ``config``'s small tiles, on layers of MIN_N_SMALL_M rows and
     more), and a ``plan`` (for M's tile) that either splits the last wave's tiles or fills at least 80%
     of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json,
-    wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row)."""
+    wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row). At
+    M = 65..128 also every layer of MIN_N_MID rows and K >= MIN_K_MID, at any fill (wsgemm_narrow_h200.json)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
+    if 64 < m <= 128 and n >= MIN_N_MID and k >= MIN_K_MID and supports(m, n, k):
+        return True
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
         return False
