@@ -7,7 +7,7 @@ up as a slow or wrong row.
 
 Where the dispatch picks the warp-specialized GEMM, the dequantize + cuBLAS path it replaced is timed
 too (W4A16 and W4A4). Knobs: MS (rows), DTYPE (bf16 | fp16 activations and cuBLAS peer; the fp16 file is model_zoo_h200_fp16.json),
-FOUR_SIX (the W4A4 rule, default none).
+FOUR_SIX (the W4A4 rule, default none), MODELS (a comma-separated subset by name).
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ MODELS = {  # name: {layer: (N out, K in)}
     "Phi-3-mini": {"qkv": (9216, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)},
     "SmolLM2-135M": {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
+if os.environ.get("MODELS"):  # a comma-separated subset of the models by name
+    MODELS = {name: MODELS[name] for name in os.environ["MODELS"].split(",")}
 T0 = time.time()
 res = {"env": peers.env(), "rows": []}
 g = torch.Generator(device=dev).manual_seed(0)

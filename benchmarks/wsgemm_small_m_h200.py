@@ -113,7 +113,9 @@ g = torch.Generator(device=dev).manual_seed(0)
 CHECKS = [(65, 520, 1024, torch.bfloat16, True), (100, 6144, 4096, torch.bfloat16, False),
           (128, 300, 1280, torch.float16, True), (64, 4096, 4096, torch.bfloat16, False),
           (128, 28672, 4096, torch.bfloat16, True), (33, 1000, 2048, torch.bfloat16, False),
-          (200, 6100, 4096, torch.bfloat16, True)]
+          (200, 6100, 4096, torch.bfloat16, True),
+          # K % 256 != 0: scale rows from wsgemm.tma_scales' padded copy, a partial last scale group
+          (100, 600, 1088, torch.bfloat16, True), (128, 8192, 29568, torch.bfloat16, False)]
 for label, cfg in (SMALL_VARIANTS.items() if "checks" in PHASES else []):
     for m, n, k, dt, bias in CHECKS:
         w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)

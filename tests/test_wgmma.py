@@ -268,7 +268,8 @@ def test_dispatch_takes_wgmma_for_65_to_128_rows_where_wsgemm_does_not(monkeypat
     # cuBLAS's 24.0, results/wsgemm_h200_split.json), or dequantize + cuBLAS where neither rule holds
     assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 4096) == "wsgemm"
     assert gemm._auto_path(129, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
-    assert gemm._auto_path(128, torch.bfloat16, False, 4160, cuda, 4096) == "cublas"  # K % 128
+    assert gemm._auto_path(128, torch.bfloat16, False, 4112, cuda, 4096) == "cublas"  # K % 64 (wsgemm), % 128
+    assert gemm._auto_path(128, torch.bfloat16, False, 4160, cuda, 4096) == "wsgemm"  # K % 128 != 0, % 64 == 0
     assert "bf16 or fp16" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
     monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0: wgmma.py takes wsgemm's rows back
     assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"

@@ -9,6 +9,7 @@ speed on the GPU: benchmarks/wsgemm_h200.py (results/wsgemm_h200_v4.json, wsgemm
 """
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -169,9 +170,9 @@ def test_shape_rule_follows_the_measured_rows():
         assert ws.preferred(65, n, k) and ws.preferred(128, n, k, w4a4=True)
         if n < ws.MIN_N_SMALL_M:  # M = 33..64 (the 64-row tile) keeps its rule: mma.py there
             assert not ws.preferred(64, n, k)
-    assert not ws.preferred(128, 8192, 29568)  # Qwen2-72B down: K % 256 (TMA's scale rows) stays on wgmma.py
+    assert ws.preferred(128, 8192, 29568)  # Qwen2-72B down: K % 256 != 0, its scale rows padded (tma_scales)
     assert not ws.preferred(128, 3072, 2048) and not ws.preferred(128, 2560, 4096)  # below the measured N / K
-    assert not ws.preferred(1024, 28672, 4160)  # K % 256
+    assert not ws.preferred(1024, 28672, 4112) and not ws.supports(128, 4096, 4112)  # K % 64 (whole K steps)
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
     assert ws.preferred(256, 37888, 3584) and ws.preferred(1024, 8192, 3584) and ws.preferred(1024, 16384, 3072)
@@ -392,7 +393,7 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
         assert gemm._auto_path(48, dt, False, 2048, cuda, 28672) == "mma"
         assert gemm._auto_path(64, dt, False, 4096, cuda, 1024) == "mma"  # N below MIN_N_SMALL_M
         assert gemm._auto_path(128, dt, False, 4096, cuda, 1024) == "wgmma"
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4160, cuda, 28672) == "cublas"  # K % 256
+    assert gemm._auto_path(1024, torch.bfloat16, False, 4112, cuda, 28672) == "cublas"  # K % 64
     monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
     assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
     assert gemm._auto_path(64, torch.bfloat16, False, 4096, cuda, 28672) == "mma"
@@ -409,9 +410,9 @@ def test_explicit_wsgemm_path_off_cuda_or_on_odd_k_raises_with_the_reason():
     w = nvfp4.quantize(torch.randn(64, 256))
     with pytest.raises(ValueError, match="CUDA only"):
         gemm.linear_w4a16(torch.randn(600, 256).bfloat16(), w, path="wsgemm")
-    assert "K % 256" in gemm.wsgemm_unavailable_reason(600, 64, 4160, torch.bfloat16, torch.device("cuda", 0))
+    assert "K % 64" in gemm.wsgemm_unavailable_reason(600, 64, 4112, torch.bfloat16, torch.device("cuda", 0))
     assert "bf16 or fp16" in gemm.wsgemm_unavailable_reason(600, 64, 4096, torch.float32, torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="K % 256"):
+    with pytest.raises(ValueError, match="K % 64"):
         ws.matmul(torch.randn(600, 200).bfloat16(), torch.zeros(64, 25, dtype=torch.int32),
                   torch.zeros(64, 12, dtype=torch.uint8), torch.ones(1), None, None, torch.empty(600, 64))
     with pytest.raises(TypeError, match="bf16 or fp16"):
@@ -428,3 +429,26 @@ def test_ready_refuses_other_gpus_once_without_a_self_test(monkeypatch):
     assert "sm_90" in ws.ready(torch.device("cuda", 0)) and not called
     assert "sm_90" in ws.ready(torch.device("cpu"))
 
+
+
+def test_scale_rows_tma_cannot_read_come_from_a_padded_copy_kept_with_the_weight():
+    """K % 256 != 0 (Qwen2-72B's down layer: 1848-byte scale rows): ``tma_scales`` gives the same bytes
+    at 16-byte row strides, one copy a weight while it lives, made again after an in-place write;
+    aligned rows are returned as they are."""
+    w = nvfp4.quantize(torch.randn(40, 1088, generator=torch.Generator().manual_seed(3)))
+    owner = w.block_scale
+    sbits = owner.view(torch.uint8)
+    padded = ws.tma_scales(sbits, owner)
+    assert padded.shape == (40, 68) and padded.stride() == (80, 1) and padded.data_ptr() % 16 == 0
+    assert torch.equal(padded, sbits)
+    assert ws.tma_scales(owner.view(torch.uint8), owner) is padded  # a fresh view of the same weight: the copy
+    owner[3, 5] = 2.0  # an in-place write bumps the version counter: a new copy with the new byte
+    again = ws.tma_scales(owner.view(torch.uint8), owner)
+    assert again is not padded and torch.equal(again, owner.view(torch.uint8))
+    assert ws.tma_scales(sbits.clone()) is not ws.tma_scales(sbits.clone())  # no owner: nothing kept
+    aligned = nvfp4.quantize(torch.randn(8, 256)).block_scale.view(torch.uint8)
+    assert ws.tma_scales(aligned) is aligned or aligned.data_ptr() % 16
+    key = id(owner)
+    del w, owner, sbits, padded, again
+    gc.collect()
+    assert key not in ws._PADDED_SCALES  # the copy went with its weight

@@ -18,7 +18,8 @@ K % 64 == 0, CUDA), ``gemm`` tiled GEMM (M <= 63 where ``mma`` cannot run),
 ``wgmma`` (``wgmma.py``, sm_90, 65 <= M <= 128 where wsgemm does not run), ``wsgemm`` the
 warp-specialized Gluon GEMM (``wsgemm.py``, sm_90, 33 <= M <= 1024 (64-row tiles to M = 64, 128-row
 tiles to 128 (256 weight rows on wide layers), then 256 with the operands swapped), W4A4 to 2048 or 8192, where its tiles fill the SMs or its split tail does,
-K % 256 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more; ahead of mma.py there),
+K % 64 == 0 and K >= 4096, or 3072 on layers of 8192 rows and more, and at M = 65..128 on layers of
+3072 rows and more with K >= 3072; ahead of mma.py / wgmma.py there),
 ``cublas`` dequantize + cuBLAS (M >= 64 where none of those runs), ``dot_scaled`` FP4
 tensor cores on sm_100+ (``dot_scaled.py``; W4A4 with M > 2 picks it there once
 its self-test passed). Timings: benchmarks/results/kernels_h200.md.
@@ -26,8 +27,9 @@ its self-test passed). Timings: benchmarks/results/kernels_h200.md.
 Weights stay in the checkpoint layout (``weight_packed [N, K/2]`` uint8, read
 as int32 words of 8 codes or int64 blocks of 16; ``weight_scale [N, K/16]``
 e4m3): the codes are already contiguous along K, so a thread's 16-byte load
-covers 32 codes (2 blocks) and a warp's loads are coalesced. No re-layout, no
-cache.
+covers 32 codes (2 blocks) and a warp's loads are coalesced. No re-layout; one
+cache: where K % 256 != 0 (Qwen2-72B's down layer) wsgemm reads the scales by TMA
+from a copy with rows padded to 16 bytes, kept with the weight (``wsgemm.tma_scales``).
 
 Decoding a word by bit moves (no lookup table)
 ----------------------------------------------
@@ -1656,9 +1658,9 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
     return reason if reason is not None else mma.dtype_reason(mma._index(device), dtype)
 
 
-# K multiple each sm_90 Gluon kernel takes: wgmma.py's K steps go in pairs of 64; wsgemm.py's scale
-# bytes come by TMA, whose row stride (K / 16 bytes) must be a multiple of 16
-_GLUON_SM90_K = {"wgmma": 128, "wsgemm": 256}
+# K multiple each sm_90 Gluon kernel takes: wgmma.py's K steps go in pairs of 64; wsgemm.py's steps are 64
+# (its scale bytes come by TMA from rows padded to 16-byte strides where K % 256 != 0: wsgemm.tma_scales)
+_GLUON_SM90_K = {"wgmma": 128, "wsgemm": 64}
 
 
 def _gluon_sm90_reason(path: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
@@ -1846,8 +1848,9 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
             if reason is not None:
                 raise ValueError(reason)
         module = importlib.import_module(f".{path}", __package__)
+        owner = dict(scale_owner=weight.block_scale) if path == "wsgemm" else {}
         try:
-            return module.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y)
+            return module.matmul(x2, words, sbits, enc, x_enc, bias_arg if has_bias else None, y, **owner)
         except Exception as exc:  # noqa: BLE001 - e.g. a config its self-test did not build
             if not auto:
                 raise
@@ -2014,8 +2017,9 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     elif path in ("mma", "wgmma", "wsgemm") and x2.stride(0) % 8 == 0:
         align = 16  # 16-byte copies (TMA for wsgemm) of x
         module = importlib.import_module(f".{path}", __package__)
-        own = dict(own_counters=True) if path == "wsgemm" else {}  # (its split tiles' counters)
-        if pair:
+        # wsgemm: its split tiles' counters, and the weight's scale tensor for tma_scales' padded copy
+        own = dict(own_counters=True, scale_owner=weight.block_scale) if path == "wsgemm" else {}
+        if pair:  # (mma.py only: _w4a4_pairs_path)
             own = dict(dependent=True)
         run = module.launches(x2, words, sbits, enc, x_enc, bias, y, slots=slots, **own)
     else:

@@ -1,7 +1,7 @@
 """NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) for M = 33..1024
 on Hopper, with the weight decoded inside the main loop by a warpgroup of its
 own (warp specialization), written in Gluon. sm_90 only; bf16 or fp16
-activations, K % 256 == 0.
+activations, K % 64 == 0 (scale rows padded for TMA where K % 256 != 0).
 
 Why: above M = 128 the dispatch dequantized the weight into a bf16 copy and
 called cuBLAS, which costs cuBLAS's time plus a decode pass that writes
@@ -70,6 +70,7 @@ from __future__ import annotations
 import functools
 import heapq
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -687,7 +688,7 @@ def _summing_state(device: torch.device, n_split: int, table: tuple, own: bool):
 
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
-    """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 256 == 0 and
+    """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 64 == 0 and
     K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
     8192 where K <= 4096; 33..128 with ``config``'s small tiles, on layers of MIN_N_SMALL_M rows and
     more), and a ``plan`` (for M's tile) that either splits the last wave's tiles or fills at least 80%
@@ -705,9 +706,42 @@ def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> boo
 
 
 def supports(m: int, n: int, k: int) -> bool:
-    """Whether the kernel takes this shape: K a multiple of 256 (TMA needs the scale rows, K / 16
-    bytes, at 16-byte strides)."""
-    return m > 0 and n > 0 and k > 0 and k % 256 == 0
+    """Whether the kernel takes this shape: K a multiple of 64 (whole K steps; where K % 256 != 0 the
+    scale rows are read from a padded copy, ``tma_scales``, and the last scale group is partial)."""
+    return m > 0 and n > 0 and k > 0 and k % 64 == 0
+
+
+# ``tma_scales``' copies, one a scale tensor: {id: (a weak reference to it, its version counter, its data
+# pointer, the copy)}; an entry goes when its tensor does (weakref.finalize). (Not a WeakKeyDictionary:
+# its lookups compare keys with ``==``, which tensors answer elementwise.)
+_PADDED_SCALES: dict = {}
+
+
+def tma_scales(sbits: torch.Tensor, owner: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The scale bytes ``sbits`` ``[N, K/16]`` (uint8) as TMA reads them: rows at 16-byte strides from a
+    16-byte aligned start. Where K % 256 != 0 their rows are not (Qwen2-72B's down layer, K = 29568:
+    1848 bytes), so this is a copy whose rows are padded to the next multiple of 16 bytes (a view of its
+    first K/16 columns; the padding is never read: TMA fills past column K/16 with zeros). With ``owner``
+    (the weight's scale tensor, which ``sbits`` views) the copy is kept while ``owner`` lives, one a
+    weight rather than one a launch plan, and made again after an in-place write to ``owner`` (its
+    version counter; an inference tensor has none, so it gets a fresh copy each time)."""
+    n, kb = sbits.shape
+    if sbits.stride(1) == 1 and sbits.stride(0) % 16 == 0 and sbits.data_ptr() % 16 == 0:
+        return sbits
+    if kb % 16 == 0:
+        return sbits.contiguous()
+    version = None if owner is None or owner.is_inference() else owner._version
+    hit = _PADDED_SCALES.get(id(owner)) if version is not None else None
+    mine = hit is not None and hit[0]() is owner
+    if mine and hit[1:3] == (version, sbits.data_ptr()):
+        return hit[3]
+    padded = torch.zeros(n, cdiv(kb, 16) * 16, dtype=torch.uint8, device=sbits.device)[:, :kb]
+    padded.copy_(sbits)
+    if version is not None:
+        if not mine:
+            weakref.finalize(owner, _PADDED_SCALES.pop, id(owner), None)
+        _PADDED_SCALES[id(owner)] = (weakref.ref(owner), version, sbits.data_ptr(), padded)
+    return padded
 
 
 # The operands swapped (``SWAP``): the decoded weight tile as wgmma's A operand and the activation tile as its
@@ -760,26 +794,29 @@ def _smem_layout(rows: int, cols: int, dtype):
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True, swap: Optional[bool] = None) -> torch.Tensor:
+           cfg: Optional[tuple] = None, split: bool = True, swap: Optional[bool] = None,
+           scale_owner: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
     ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons);
-    ``swap``: the operands swapped (None: ``swapped``; True / False for comparisons)."""
+    ``swap``: the operands swapped (None: ``swapped``; True / False for comparisons); ``scale_owner``: the
+    weight's scale tensor that ``sbits`` views (``tma_scales`` keeps a padded copy with it)."""
     x2, sbits = aligned_operands(x2, sbits)
-    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split, swap=swap)(x2, y)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split, swap=swap, scale_owner=scale_owner)(x2, y)
 
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
              cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False,
-             swap: Optional[bool] = None):
+             swap: Optional[bool] = None, scale_owner: Optional[torch.Tensor] = None):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
     global scale,) and y: the weight's TMA descriptors are built once, x's for each call. Split tiles
     are summed in the launch where ``summing_plan`` allows and ``SUMMERS`` is on (tile counters of the
-    plan's own with ``own_counters``), otherwise by a second launch."""
+    plan's own with ``own_counters``), otherwise by a second launch. Scale rows TMA cannot read where
+    they are (K % 256 != 0) come from ``tma_scales``' padded copy, kept with ``scale_owner``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = x2.shape
@@ -787,7 +824,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     if x2.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the warp-specialized path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
-        raise ValueError(f"the warp-specialized path takes K % 256 == 0, got M={m}, N={n}, K={k}")
+        raise ValueError(f"the warp-specialized path takes K % 64 == 0, got M={m}, N={n}, K={k}")
     from .gemm import _sm_count, split_finish
 
     cfg = cfg or config(m, n, k, _sm_count(x2.device))
@@ -802,8 +839,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
                          f"(16 a consumer warp), got {bn}")
     if words.stride(1) != 1 or words.data_ptr() % 16 or (words.stride(0) * 4) % 16:
         words = words.contiguous()
-    if sbits.stride(1) != 1 or sbits.data_ptr() % 16 or sbits.stride(0) % 16:
-        sbits = sbits.contiguous()
+    sbits = tma_scales(sbits, scale_owner)
     x_layout = _smem_layout(bm, bk, gl.float16 if x2.dtype == torch.float16 else gl.bfloat16)
     w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8], _smem_layout(bn, bk // 8, gl.int32))
     s_desc = TensorDescriptor.from_tensor(sbits, [bn, 16], _smem_layout(bn, 16, gl.uint8))
@@ -848,10 +884,12 @@ _LABEL = "the warp-specialized path"
 def _self_test(device: torch.device) -> Optional[str]:
     """Partial row and column tiles, one K step, fp16, tiles split by K (``plan``: the 10 tiles of
     300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more), the 64- and 128-row
-    tiles of M <= 128 (one consumer warpgroup; fp16), and the 128 x 256 tile."""
+    tiles of M <= 128 (one consumer warpgroup; fp16), the 128 x 256 tile, and K % 256 != 0 (K = 1088:
+    scale rows of 68 bytes read from ``tma_scales``' padded copy, a last scale group of one K step)."""
     err = product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16),
-                                 (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16)), device)
+                                 (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16),
+                                 (300, 200, 1088, torch.bfloat16), (100, 300, 1088, torch.float16)), device)
     if err is None:  # the 256-weight-row tile of M = 65..128 (wide layers only, so on a small shape by name)
         err = product_check(functools.partial(matmul, cfg=WIDE_M_CONFIG),
                             ((100, 600, 1024, torch.bfloat16), (70, 300, 1280, torch.float16)), device)
