@@ -129,7 +129,7 @@ for label, cfg in (SMALL_VARIANTS.items() if "checks" in PHASES else []):
             wsgemm.matmul(x, *gm._weight_views(w)[2:], None, b, y, cfg=cfg)
             row["rel_ref"] = rel(y, ref)
             row["nan"] = bool(torch.isnan(y).any())
-            other = "mma" if m <= 64 else ("wgmma" if m <= 128 else "cublas")
+            other = "mma" if m <= 64 else ("wgmma" if m <= 128 and k % 128 == 0 else "cublas")
             row["rel_" + other] = rel(y, gm.linear_w4a16(x, w, b, path=other))
             amax = x.float().abs().amax()
             y4 = with_config(cfg, lambda: gm.linear_w4a4(x, w, amax, b, path="wsgemm"))
