@@ -172,6 +172,13 @@ def test_shape_rule_follows_the_measured_rows():
             assert not ws.preferred(64, n, k)
     assert ws.preferred(128, 8192, 29568)  # Qwen2-72B down: K % 256 != 0, its scale rows padded (tma_scales)
     assert not ws.preferred(128, 3072, 2048) and not ws.preferred(128, 2560, 4096)  # below the measured N / K
+    # M = 129..256 from 3584 rows and K = 3584 whatever the plan (wsgemm_mid_m_h200.json: ahead of dequantize +
+    # cuBLAS on Qwen2-72B qkv at 256, whose whole tiles fill 0.61, and Qwen2-7B qkv / o at 192 / 256)
+    assert ws.plan(256, 10240, 8192)[1] == 1 and ws.preferred(256, 10240, 8192)
+    for n, k in ((4608, 3584), (3584, 3584)):
+        assert ws.preferred(129, n, k) and ws.preferred(256, n, k, w4a4=True) and not ws.preferred(384, n, k)
+    assert not ws.preferred(256, 3072, 3072)  # Phi-3-mini o: behind dequantize + cuBLAS there
+    assert not ws.preferred(192, 9216, 3072)  # K = 3072 (Phi-3-mini qkv): not measured above M = 128, as before
     assert not ws.preferred(1024, 28672, 4112) and not ws.supports(128, 4096, 4112)  # K % 64 (whole K steps)
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)

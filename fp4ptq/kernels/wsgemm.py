@@ -547,6 +547,11 @@ MIN_K_WIDE, MIN_N_WIDE = 3072, 8192
 # 18.6 us at M = 128, Qwen2-7B down 87.5 -> 54.2, Llama-2-7B qkv 54.9 -> 39.6, Gemma-2-9B o 19.7 -> 17.3, Phi-3-mini
 # o 16.6 -> 15.9 (the least); behind at 1024 rows (8B k at M = 128: 15.9 against 11.6, session 23)
 MIN_N_MID, MIN_K_MID = 3072, 3072
+# M = 129..256 (one 256-row tile a weight tile) on layers of at least 3584 rows and K >= 3584, whatever the plan
+# (results/wsgemm_mid_m_h200.json, against dequantize + cuBLAS, which pays its decode pass whatever M): Qwen2-72B
+# qkv at M = 256 (whole tiles filling 0.61) 127.1 -> 97.1 us, Qwen2-7B qkv at 192 / 256 28.8 / 27.3 -> 23.5 / 24.4,
+# Qwen2-7B o 24.1 / 22.2 -> 20.8 / 21.9; behind on Phi-3-mini o (3072 x 3072) and, from M = 384, on the K = 3584 layers
+MAX_M_ANY_FILL, MIN_NK_ANY_FILL = 256, 3584
 
 # The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
 # PROGRAM_STEPS steps beside its own; the summing launch about SUM_STEPS plus one step per SUM_BYTES_A_STEP
@@ -694,9 +699,12 @@ def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> boo
     more), and a ``plan`` (for M's tile) that either splits the last wave's tiles or fills at least 80%
     of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json,
     wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row). At
-    M = 65..128 also every layer of MIN_N_MID rows and K >= MIN_K_MID, at any fill (wsgemm_narrow_h200.json)."""
+    M = 65..128 also every layer of MIN_N_MID rows and K >= MIN_K_MID, at any fill (wsgemm_narrow_h200.json),
+    and at M = 129..MAX_M_ANY_FILL every layer of MIN_NK_ANY_FILL rows and K (wsgemm_mid_m_h200.json)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     if 64 < m <= 128 and n >= MIN_N_MID and k >= MIN_K_MID and supports(m, n, k):
+        return True
+    if 128 < m <= MAX_M_ANY_FILL and min(n, k) >= MIN_NK_ANY_FILL and supports(m, n, k):
         return True
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
