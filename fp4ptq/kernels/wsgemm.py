@@ -487,27 +487,38 @@ SMALL_M_CONFIG = (128, 128, 64, 4, 2, 4, 128, 168)
 TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
 # 256 weight rows at M = 65..128 (session 26, results/wsgemm_n256_h200.json): each consumer warpgroup reads the
 # decoded tile once a k16 (m64n256k16) for twice the work, about 18% less shared-memory traffic a FLOP; half
-# the tiles. Where its plan fills the SMs (``WIDE_MIN_FILL``) it was 10-20% faster than the 128 x 128 tile
+# the tiles. Where its plan filled 0.7 of the SMs or more it was 10-20% faster than the 128 x 128 tile
 # (8B gate_up at M = 128 85.2 -> 67.9 us, 70B gate_up 291.9 -> 263.8, 70B down 147.9 -> 132.2: ahead of cuBLAS
 # bf16 on all three); where it does not (8B o / down: fill 0.3-0.42) 35-50% slower, 8B qkv (0.4) level.
 # Between (session 27, results/wsgemm_dec8_small_h200.json): Qwen2-7B gate_up (fill 0.76-0.78) 12% faster
 # (89.3 -> 78.5 us at M = 128), Llama-2-7B gate_up (0.65) level (+2% / +0.2%), 8B gate (0.56-0.6) 1-4% slower.
+# Session 28 (results/wsgemm_narrow_h200.json with the rows above): on 14 rows at M = 80..128 the measured time
+# ratio of the two tiles was 1.37-1.53 (mean 1.42) times the ratio of their plans' spans in K steps (``_steps``),
+# from Phi-3-mini qkv (wide 11-20% faster at a fill of 0.42-0.49) to the narrow layers (wide 37-46% slower at equal
+# spans). So the wide tile where WIDE_STEP_COST times its span is under WIDE_GAIN of the 128 x 128 tile's.
 WIDE_M_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
-WIDE_MIN_FILL = 0.7
+WIDE_STEP_COST, WIDE_GAIN = 1.42, 0.9
 WIDE_SMALL_M = os.environ.get("FP4PTQ_WSGEMM_WIDE", "1") != "0"
+
+
+def _steps(m: int, n: int, k: int, sms: int, cfg: tuple) -> float:
+    """The span of ``plan``'s schedule for tile ``cfg``, in that tile's K steps (the summing counted)."""
+    bm, bn, bk = cfg[:3]
+    return cdiv(m, bm) * cdiv(n, bn) * (k // bk) / (sms * plan(m, n, k, sms, cfg)[4])
 
 
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """The tile by M: 256 activation rows x 128 weight rows x 64 K from M = 129 (two consumer warpgroups
     of 128 x 128 fp32 accumulators; run v2: 7-9% ahead of 128 x 256, which decodes twice the weights a
     FLOP), 128 rows at M = 65..128 and 64 rows (one consumer warpgroup, two CTAs an SM) below; a 4-step
-    TMA ring and 2 decoded tiles; at M = 65..128 256 weight rows a tile where that tile's plan fills the SMs
-    (``WIDE_M_CONFIG``, from ``WIDE_MIN_FILL`` of them)."""
+    TMA ring and 2 decoded tiles; at M = 65..128 256 weight rows a tile (``WIDE_M_CONFIG``) where its plan's
+    span, at WIDE_STEP_COST a step, is under WIDE_GAIN of the 128 x 128 tile's."""
     if m <= 64:
         return TINY_M_CONFIG
     if m <= 128:
-        if WIDE_SMALL_M and plan(m, n, k, sms, WIDE_M_CONFIG)[4] >= WIDE_MIN_FILL:
-            return WIDE_M_CONFIG  # (256 weight rows: where its tiles fill the SMs)
+        if WIDE_SMALL_M and WIDE_STEP_COST * _steps(m, n, k, sms, WIDE_M_CONFIG) \
+                < WIDE_GAIN * _steps(m, n, k, sms, SMALL_M_CONFIG):
+            return WIDE_M_CONFIG
         return SMALL_M_CONFIG
     return DEFAULT_CONFIG
 
@@ -917,5 +928,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_MIN_FILL", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
