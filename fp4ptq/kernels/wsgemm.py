@@ -495,7 +495,10 @@ TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
 # Session 28 (results/wsgemm_narrow_h200.json with the rows above): on 14 rows at M = 80..128 the measured time
 # ratio of the two tiles was 1.37-1.53 (mean 1.42) times the ratio of their plans' spans in K steps (``_steps``),
 # from Phi-3-mini qkv (wide 11-20% faster at a fill of 0.42-0.49) to the narrow layers (wide 37-46% slower at equal
-# spans). So the wide tile where WIDE_STEP_COST times its span is under WIDE_GAIN of the 128 x 128 tile's.
+# spans). So the wide tile where WIDE_STEP_COST times its span is under WIDE_GAIN of the 128 x 128 tile's. On 18
+# rows timed after (results/wsgemm_wide_rule_h200.json) the factor read 1.37-1.54; of the 32 rows, a gain of 0.95
+# leaves one with the wide tile >3% faster unpicked and picks it on one where it is 2.8% slower (0.9: 7 and 0):
+# Qwen2-72B / Llama-3.1-70B qkv 19-20% faster with it at M = 65..128, 70B o 8-17%, Phi-3-mini qkv 11-16%.
 WIDE_M_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
 WIDE_STEP_COST, WIDE_GAIN = 1.42, 0.95
 WIDE_SMALL_M = os.environ.get("FP4PTQ_WSGEMM_WIDE", "1") != "0"
