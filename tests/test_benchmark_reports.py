@@ -1,0 +1,42 @@
+"""The results reports of the benchmark scripts that run on any machine (benchmarks/model_zoo_report.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "model_zoo_report.py"
+_spec = importlib.util.spec_from_file_location("model_zoo_report", _PATH)
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def _row(model, layer, m, path, ours, n=4608, k=3584):
+    return {"model": model, "layer": layer, "n": n, "k": k, "m": m, "dtype": "torch.bfloat16", "path": path,
+            "ours_us": ours, "cublas_us": 10.0, "speedup": 10.0 / ours, "w4a4_us": ours + 2, "rel_err": 1.7e-3,
+            "w4a4_rel_err": 1.6e-3}
+
+
+def test_model_zoo_report_merges_files_and_compares_with_an_earlier_run(tmp_path, capsys):
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps({"rows": [_row("Qwen2-7B", "qkv", 128, "wgmma", 26.9),
+                                          _row("Qwen2-7B", "o", 128, "wgmma", 20.8, 3584, 3584)]}))
+    later = tmp_path / "b.json"
+    later.write_text(json.dumps({"rows": [_row("Qwen2-7B", "qkv", 128, "wsgemm", 18.7)]}))
+    assert report.main([str(first), str(later), "--before", str(first)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| model | layer | N x K | M |") and "ours / before" in lines[0]
+    assert len(lines) == 4  # header, rule, the two rows (the later file's qkv row replaces the first's)
+    assert "| Qwen2-7B | qkv | 4608 x 3584 | 128 | bfloat16 | wsgemm | 18.7 | 10.0 | 0.53x |" in lines[2]
+    assert lines[2].endswith("| wgmma | 26.9 | 0.70 |") and lines[3].endswith("| wgmma | 20.8 | 1.00 |")
+
+
+def test_model_zoo_report_names_a_file_it_cannot_use(tmp_path):
+    bad = tmp_path / "kernels.json"
+    bad.write_text(json.dumps({"table": []}))
+    with pytest.raises(SystemExit, match="kernels.json is not a model_zoo_h200.py results file"):
+        report.main([str(bad)])
+    with pytest.raises(SystemExit, match="cannot read"):
+        report.main([str(tmp_path / "missing.json")])
