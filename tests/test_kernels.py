@@ -362,6 +362,16 @@ def test_launch_plan_is_none_where_the_path_is_not_planned(tk):
 
 
 @interpreted
+def test_launch_plan_leaves_padded_scale_rows_to_the_dispatch(tk, monkeypatch):
+    """wsgemm on K % 256 != 0 reads the scales from a padded copy (``wsgemm.tma_scales``), which a plan
+    would hold past an in-place write to the weight; the dispatch takes those calls (None), before any
+    launch is built."""
+    _, gm = tk
+    monkeypatch.setattr(gm, "_auto_path", lambda *args, **kwargs: "wsgemm")
+    assert gm.linear_plan(torch.randn(100, 1088).bfloat16(), _weight(64, 1088, seed=4)) is None
+
+
+@interpreted
 def test_module_keeps_its_plans_while_its_buffers_stay(tk, monkeypatch):
     """NVFP4Linear's plans (one per input signature): kept across calls and in-place writes (the
     launches read the new contents), rebuilt when a buffer is replaced or re-pointed, dropped by
