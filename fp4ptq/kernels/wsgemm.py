@@ -746,7 +746,9 @@ def tma_scales(sbits: torch.Tensor, owner: Optional[torch.Tensor] = None) -> tor
     first K/16 columns; the padding is never read: TMA fills past column K/16 with zeros). With ``owner``
     (the weight's scale tensor, which ``sbits`` views) the copy is kept while ``owner`` lives, one a
     weight rather than one a launch plan, and made again after an in-place write to ``owner`` (its
-    version counter; an inference tensor has none, so it gets a fresh copy each time)."""
+    version counter; an inference tensor has none, so it gets a fresh copy each time). A CUDA graph
+    captured while the copy was kept reads that copy on replay: capture again after writing such a
+    weight's scales in place (launch plans, which would keep it too, are not built for these layers)."""
     n, kb = sbits.shape
     if sbits.stride(1) == 1 and sbits.stride(0) % 16 == 0 and sbits.data_ptr() % 16 == 0:
         return sbits
