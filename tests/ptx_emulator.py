@@ -129,6 +129,14 @@ def bf16_scale_pair(scale: torch.Tensor) -> torch.Tensor:
     return s16 | (s16 << 16)
 
 
+def multiply_decode_inputs(seed: int) -> dict:
+    """Operands of a decode block that reads one word in ``$4 .. $11`` and one bf16 scale pair in
+    ``$12 .. $15`` (mma.py's and wsgemm.py's): ``multiply_decode_words`` and sampled scales."""
+    words = multiply_decode_words()
+    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=seed)[2])
+    return {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}}
+
+
 def assert_same_registers(asm_a: str, asm_b: str, inputs: dict, outputs: int = 4) -> None:
     """Both PTX blocks, run on the same ``inputs``, write the same bits to ``$0 .. $(outputs - 1)``."""
     a, b = run_ptx_regs(asm_a, inputs), run_ptx_regs(asm_b, inputs)

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 mma = pytest.importorskip("fp4ptq.kernels.mma")
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import (_halves, _prmt, assert_same_registers, bf16_scale_pair, multiply_decode_words,  # noqa: E402
+from ptx_emulator import (_halves, _prmt, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           sample_words_and_scales)
 from fp4ptq.kernels import gemm  # noqa: E402
 
@@ -78,9 +78,7 @@ def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
 def test_multiply_decode_gives_the_shift_decodes_bits():
     """_DECODE_MUL (three integer operations a register, one shift a word) writes the same four
     registers as _DECODE for every pair of codes each register holds, under every sampled scale."""
-    words = multiply_decode_words()
-    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=2)[2])
-    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}}
+    inputs = multiply_decode_inputs(seed=2)
     assert_same_registers(mma._DECODE.value, mma._DECODE_MUL.value, inputs)
     text = mma._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("mul.rn.bf16x2") == 4 and text.count("shr.u32") == 1

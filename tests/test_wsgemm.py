@@ -22,7 +22,7 @@ pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
 from fp4ptq.kernels import gemm, mma  # noqa: E402
 from compile_target import compile_for  # noqa: E402
-from ptx_emulator import (_halves, assert_same_registers, bf16_scale_pair, multiply_decode_words,  # noqa: E402
+from ptx_emulator import (_halves, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           run_ptx_regs, sample_words_and_scales)
 
 
@@ -46,9 +46,7 @@ def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
 def test_multiply_decoder_ptx_gives_the_shift_decoders_bits():
     """_DECODE_MUL (the decoder with mma.py's multiply decode) writes the same four natural-order
     pairs as _DECODE for every pair of codes a register decodes."""
-    words = multiply_decode_words()
-    pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=4)[2])
-    inputs = {**{f"${4 + i}": words for i in range(8)}, **{f"${12 + i}": pair for i in range(4)}}
+    inputs = multiply_decode_inputs(seed=4)
     assert_same_registers(ws._DECODE.value, ws._DECODE_MUL.value, inputs)
     text = ws._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("prmt.b32") == 4 and text.count("mul.rn.bf16x2") == 4
