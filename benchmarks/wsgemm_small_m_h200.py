@@ -42,7 +42,8 @@ SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
           # MIN_N_SMALL_M, K under MIN_K, or a plan filling under MIN_WAVE_FILL; Qwen2-72B down: K % 256 != 0)
           "Qwen2-7B.qkv": (4608, 3584), "Qwen2-7B.o": (3584, 3584), "Qwen2-7B.down": (3584, 18944),
           "Gemma-2-9B.o": (3584, 4096), "Gemma-2-9B.down": (3584, 14336), "Phi-3-mini.qkv": (9216, 3072),
-          "Phi-3-mini.o": (3072, 3072), "Phi-3-mini.down": (3072, 8192), "Llama-2-7B.qkv": (12288, 4096),
+          "Phi-3-mini.o": (3072, 3072), "Phi-3-mini.down": (3072, 8192), "Phi-3-mini.gate_up": (16384, 3072),
+          "Llama-2-7B.qkv": (12288, 4096),
           "Qwen2-72B.down": (8192, 29568), "Qwen2-72B.qkv": (10240, 8192), "70B.o": (8192, 8192)}
 SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
