@@ -176,7 +176,10 @@ def test_shape_rule_follows_the_measured_rows():
     for n, k in ((4608, 3584), (3584, 3584)):
         assert ws.preferred(129, n, k) and ws.preferred(256, n, k, w4a4=True) and not ws.preferred(384, n, k)
     assert not ws.preferred(256, 3072, 3072)  # Phi-3-mini o: behind dequantize + cuBLAS there
-    assert not ws.preferred(192, 9216, 3072)  # K = 3072 (Phi-3-mini qkv): not measured above M = 128, as before
+    # ... and from MIN_N_WIDE rows at K >= MIN_K_WIDE (wsgemm_phi_gemma_h200.json: Phi-3-mini qkv, whose plan fills
+    # 0.55, 16-22% ahead of dequantize + cuBLAS at M = 160..256)
+    assert ws.preferred(129, 9216, 3072) and ws.preferred(256, 9216, 3072, w4a4=True)
+    assert not ws.preferred(192, 4096, 3072) and not ws.preferred(192, 9216, 2048)  # narrower / shorter: as before
     assert not ws.preferred(1024, 28672, 4112) and not ws.supports(128, 4096, 4112)  # K % 64 (whole K steps)
     assert not ws.preferred(1024, 28672, 2048) and ws.supports(1024, 28672, 2048)  # below the measured K
     # K = 3072 / 3584 on wide layers only (wsgemm_h200_shortk.json)
@@ -376,6 +379,25 @@ def test_wide_tile_at_small_m_only_where_its_span_is_shorter(monkeypatch):
     assert ws.config(128, 28672, 4096, 264) == ws.SMALL_M_CONFIG  # twice the SMs: 112 tiles fill too few
     monkeypatch.setattr(ws, "WIDE_SMALL_M", False)
     assert ws.config(128, 28672, 4096) == ws.SMALL_M_CONFIG
+    assert ws.config(384, 22016, 4096) == ws.DEFAULT_CONFIG
+
+
+def test_wide_tile_above_m_128_only_where_its_span_is_shorter():
+    """M > 128: 128 x 256 instead of 256 x 128 where its span at WIDE_BIG_STEP_COST a step is under WIDE_GAIN of
+    the 256 x 128 tile's: at M = 257..384 and the like, where rounding M up to 128 rather than 256 saves tiles
+    or a wave (results/wsgemm_wide_big_h200.json: the wide step 1.09-1.32 of a 256 x 128 one on 36 rows;
+    Llama-2-7B gate_up at M = 384 160.5 -> 133.5 us); never where the spans are equal (M = 512, 1024: 16-27%
+    slower), so the Llama-3.1 rows at M = 1024 keep the 256 x 128 tile."""
+    wide = ((384, 22016, 4096), (384, 9216, 3072), (384, 10240, 8192), (384, 3584, 18944), (640, 3072, 8192))
+    for m, n, k in wide:  # 10-17% faster with it
+        assert ws.config(m, n, k) == ws.WIDE_M_CONFIG, (m, n, k)
+    same = ((384, 3584, 4096), (640, 22016, 4096), (640, 8192, 8192), (896, 10240, 8192), (384, 8192, 8192))
+    for m, n, k in same:  # within 4% or slower with it
+        assert ws.config(m, n, k) == ws.DEFAULT_CONFIG, (m, n, k)
+    for m in (129, 192, 256, 512, 768, 1024, 2048, 8192):  # equal spans
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672),
+                     (9216, 3072), (22016, 4096)):
+            assert ws.config(m, n, k) == ws.DEFAULT_CONFIG, (m, n, k)
 
 
 def test_check_config_refuses_what_does_not_fit():

@@ -501,6 +501,15 @@ TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
 # Qwen2-72B / Llama-3.1-70B qkv 19-20% faster with it at M = 65..128, 70B o 8-17%, Phi-3-mini qkv 11-16%.
 WIDE_M_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
 WIDE_STEP_COST, WIDE_GAIN = 1.42, 0.95
+# Above M = 128 the same tile against the 256 x 128 one: both hold 32K outputs, but they round M up to 128 or to
+# 256, so at M = 257..384, 513..640, 769..896 the wide tile can need fewer tiles or waves. Session 29
+# (results/wsgemm_wide_big_h200.json, nine layers of five models at M = 384 / 512 / 640 / 896, 3 interleaved
+# rounds): on all 36 rows the time ratio of the two tiles was 1.09-1.32 (mean 1.20) times their span ratio (a
+# wide step decodes twice the weight rows for the same MMA work). With WIDE_GAIN, one row faster by more than 3%
+# is left unpicked (8B gate_up at 384, 4%) and one slower is picked (Phi-3-mini qkv at 896, +4%): Llama-2-7B
+# gate_up at M = 384 160.5 -> 133.5 us, Phi-3-mini qkv 56.3 -> 48.2, Qwen2-72B qkv 140.3 -> 125.8, Qwen2-7B down
+# 118.8 -> 106.5, Phi-3-mini down at 640 81.3 -> 72.7.
+WIDE_BIG_STEP_COST = 1.2
 WIDE_SMALL_M = os.environ.get("FP4PTQ_WSGEMM_WIDE", "1") != "0"
 
 
@@ -514,16 +523,15 @@ def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
     """The tile by M: 256 activation rows x 128 weight rows x 64 K from M = 129 (two consumer warpgroups
     of 128 x 128 fp32 accumulators; run v2: 7-9% ahead of 128 x 256, which decodes twice the weights a
     FLOP), 128 rows at M = 65..128 and 64 rows (one consumer warpgroup, two CTAs an SM) below; a 4-step
-    TMA ring and 2 decoded tiles; at M = 65..128 256 weight rows a tile (``WIDE_M_CONFIG``) where its plan's
-    span, at WIDE_STEP_COST a step, is under WIDE_GAIN of the 128 x 128 tile's."""
+    TMA ring and 2 decoded tiles; 128 x 256 (``WIDE_M_CONFIG``) instead where its plan's span, at
+    WIDE_STEP_COST a step (M = 65..128) or WIDE_BIG_STEP_COST (above), is under WIDE_GAIN of the 128 x 128 (or
+    256 x 128) tile's."""
     if m <= 64:
         return TINY_M_CONFIG
-    if m <= 128:
-        if WIDE_SMALL_M and WIDE_STEP_COST * _steps(m, n, k, sms, WIDE_M_CONFIG) \
-                < WIDE_GAIN * _steps(m, n, k, sms, SMALL_M_CONFIG):
-            return WIDE_M_CONFIG
-        return SMALL_M_CONFIG
-    return DEFAULT_CONFIG
+    narrow, cost = (SMALL_M_CONFIG, WIDE_STEP_COST) if m <= 128 else (DEFAULT_CONFIG, WIDE_BIG_STEP_COST)
+    if WIDE_SMALL_M and cost * _steps(m, n, k, sms, WIDE_M_CONFIG) < WIDE_GAIN * _steps(m, n, k, sms, narrow):
+        return WIDE_M_CONFIG
+    return narrow
 
 
 # Rows for which the H200 runs v4 and "rule" (results/wsgemm_h200_v4.json, wsgemm_h200_rule.json: six
@@ -564,7 +572,9 @@ MIN_N_MID, MIN_K_MID = 3072, 3072
 # M = 129..256 (one 256-row tile a weight tile) on layers of at least 3584 rows and K >= 3584, whatever the plan
 # (results/wsgemm_mid_m_h200.json, against dequantize + cuBLAS, which pays its decode pass whatever M): Qwen2-72B
 # qkv at M = 256 (whole tiles filling 0.61) 127.1 -> 97.1 us, Qwen2-7B qkv at 192 / 256 28.8 / 27.3 -> 23.5 / 24.4,
-# Qwen2-7B o 24.1 / 22.2 -> 20.8 / 21.9; behind on Phi-3-mini o (3072 x 3072) and, from M = 384, on the K = 3584 layers
+# Qwen2-7B o 24.1 / 22.2 -> 20.8 / 21.9; behind on Phi-3-mini o (3072 x 3072) and, from M = 384, on the K = 3584 layers.
+# Also the wide layers of K = 3072 (MIN_K_WIDE, MIN_N_WIDE; session 29, results/wsgemm_phi_gemma_h200.json): Phi-3-mini
+# qkv (9216 x 3072, a plan filling 0.55) at M = 160 / 192 / 256 47.4 / 49.2 / 46.1 -> 38.3 / 38.4 / 38.5 us
 MAX_M_ANY_FILL, MIN_NK_ANY_FILL = 256, 3584
 
 # The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
@@ -714,11 +724,13 @@ def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> boo
     of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json,
     wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row). At
     M = 65..128 also every layer of MIN_N_MID rows and K >= MIN_K_MID, at any fill (wsgemm_narrow_h200.json),
-    and at M = 129..MAX_M_ANY_FILL every layer of MIN_NK_ANY_FILL rows and K (wsgemm_mid_m_h200.json)."""
+    and at M = 129..MAX_M_ANY_FILL every layer of MIN_NK_ANY_FILL rows and K (wsgemm_mid_m_h200.json), or of
+    MIN_N_WIDE rows and K >= MIN_K_WIDE (wsgemm_phi_gemma_h200.json)."""
     top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
     if 64 < m <= 128 and n >= MIN_N_MID and k >= MIN_K_MID and supports(m, n, k):
         return True
-    if 128 < m <= MAX_M_ANY_FILL and min(n, k) >= MIN_NK_ANY_FILL and supports(m, n, k):
+    if 128 < m <= MAX_M_ANY_FILL and (min(n, k) >= MIN_NK_ANY_FILL or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)) \
+            and supports(m, n, k):
         return True
     long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
     if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
@@ -933,5 +945,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_BIG_STEP_COST", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
