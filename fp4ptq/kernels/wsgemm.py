@@ -29,7 +29,9 @@ side by side, joined by mbarrier rings:
   m64n256k16), so each warpgroup reads the activation slice once a k16 instead
   of the decoded tile once per 64 rows (80 KB of operand reads a step instead of
   96: 1-8% faster, bit-equal); at M = 65..128 wide layers take 256 weight rows a
-  tile (``WIDE_M_CONFIG``: m64n256k16 on the decoded tile, 10-20% faster there).
+  tile (``WIDE_M_CONFIG``: m64n256k16 on the decoded tile, 10-20% faster there),
+  and above M = 128 the same 128 x 256 tile replaces 256 x 128 where rounding M
+  up to 128 rows saves tiles or a wave (M = 257..384 and the like: 7-28%).
 
 Where the last wave of tiles would leave SMs idle (Llama-3.1 8B qkv at
 M = 1024: 192 tiles on 132 SMs), ``plan`` cuts the tail's tiles into 2-4 K
