@@ -10,8 +10,9 @@ Knobs: PHASES (default "checks,small,big"; "fp16" times the shipped rule with fp
 and 128 against mma.py / wgmma.py and cuBLAS fp16), MS (default 64,96,128,192,256), SHAPES_SMALL (layer names;
 ``SHAPES`` has the Llama-3.1 layers and other models' wide and narrow ones; at M = 65..128 the rows also time
 dequantize + cuBLAS, and shapes wsgemm does not take (K % 256 != 0) run without its variants),
-ROUNDS (3), BUDGET_S (stop timing new rows after this many seconds), JSON (file name), VARIANTS (the
-small-tile variants to run, comma-separated; default all), BIG_VARIANTS (likewise at M = 1024).
+SMALL_DTYPE (bf16 | fp16: the activations of the "small" phase and its cuBLAS peer), ROUNDS (3), BUDGET_S
+(stop timing new rows after this many seconds), JSON (file name), VARIANTS (the small-tile variants to run,
+comma-separated; default all), BIG_VARIANTS (likewise at M = 1024).
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
           "Qwen2-72B.down": (8192, 29568), "Qwen2-72B.qkv": (10240, 8192), "70B.o": (8192, 8192)}
 SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
+# the activations (and the cuBLAS peer's weight, still in the "cublas_bf16" column) of the "small" phase
+SMALL_DT = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("SMALL_DTYPE", "bf16")]
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)
 SMALL_VARIANTS = {
     "bm128": (128, 128, 64, 4, 2, 4, 128, 168),        # 1 CTA an SM (registers)
@@ -147,12 +150,12 @@ print("checks ok:", ok, flush=True)
 
 for name in (SMALL if "small" in PHASES else []):
     n, k = SHAPES[name]
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    w = torch.randn(n, k, device=dev, dtype=SMALL_DT, generator=g) * 0.02
     wq = nvfp4.quantize(w)
     for m in MS:
         if time.time() - T0 > BUDGET:
             break
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        x = torch.randn(m, k, device=dev, dtype=SMALL_DT, generator=g)
         fns = {"cublas_bf16": lambda: x @ w.t(), "dispatch": lambda: gm.linear_w4a16(x, wq)}
         if m <= 64:
             fns["mma"] = lambda: gm.linear_w4a16(x, wq, path="mma")
@@ -165,7 +168,7 @@ for name in (SMALL if "small" in PHASES else []):
         for label, cfg in SMALL_VARIANTS.items():
             if ok.get(label) and wsgemm.supports(m, n, k):
                 fns["ws_" + label] = ws_call(x, wq, cfg)
-        row = {"shape": name, "m": m, "dispatch_path": gm._auto_path(m, torch.bfloat16, False, k, dev, n),
+        row = {"shape": name, "m": m, "dtype": str(SMALL_DT), "dispatch_path": gm._auto_path(m, SMALL_DT, False, k, dev, n),
                "plans": {lb: wsgemm.plan(m, n, k, 132, c) for lb, c in SMALL_VARIANTS.items()},
                "median_us": interleaved(fns, ROUNDS)}
         t = row["median_us"]
