@@ -49,6 +49,8 @@ SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 40
 SMALL = os.environ.get("SHAPES_SMALL", "8B.qkv,8B.o,8B.gate_up,8B.down,70B.gate_up,70B.down").split(",")
 PHASES = os.environ.get("PHASES", "checks,small,big").split(",")
 # the activations (and the cuBLAS peer's weight, still in the "cublas_bf16" column) of the "small" phase
+if os.environ.get("SMALL_DTYPE", "bf16") not in ("bf16", "fp16"):
+    raise SystemExit(f"wsgemm_small_m_h200: SMALL_DTYPE is bf16 or fp16, got {os.environ['SMALL_DTYPE']!r}")
 SMALL_DT = {"bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("SMALL_DTYPE", "bf16")]
 # (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, launch register cap)
 SMALL_VARIANTS = {

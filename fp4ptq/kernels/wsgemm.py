@@ -922,15 +922,17 @@ _LABEL = "the warp-specialized path"
 def _self_test(device: torch.device) -> Optional[str]:
     """Partial row and column tiles, one K step, fp16, tiles split by K (``plan``: the 10 tiles of
     300 x 520 x 4096 in 4 ranges of 16 steps on any GPU of 40 SMs or more), the 64- and 128-row
-    tiles of M <= 128 (one consumer warpgroup; fp16), the 128 x 256 tile, and K % 256 != 0 (K = 1088:
+    tiles of M <= 128 (one consumer warpgroup; fp16), the 128 x 256 tile (at M = 300 too), and K % 256 != 0 (K = 1088:
     scale rows of 68 bytes read from ``tma_scales``' padded copy, a last scale group of one K step)."""
     err = product_check(matmul, ((300, 520, 1024, torch.bfloat16), (129, 256, 256, torch.bfloat16),
                                  (200, 300, 1280, torch.float16), (300, 520, 4096, torch.bfloat16),
                                  (40, 520, 1024, torch.bfloat16), (100, 300, 1280, torch.float16),
                                  (300, 200, 1088, torch.bfloat16), (100, 300, 1088, torch.float16)), device)
-    if err is None:  # the 256-weight-row tile of M = 65..128 (wide layers only, so on a small shape by name)
+    if err is None:  # the 128 x 256 tile (wide layers only, so on a small shape by name): one row tile at
+        # M = 65..128, several above (``config``: M = 257..384 and the like)
         err = product_check(functools.partial(matmul, cfg=WIDE_M_CONFIG),
-                            ((100, 600, 1024, torch.bfloat16), (70, 300, 1280, torch.float16)), device)
+                            ((100, 600, 1024, torch.bfloat16), (70, 300, 1280, torch.float16),
+                             (300, 600, 1024, torch.bfloat16)), device)
     return err
 
 
