@@ -5,7 +5,8 @@ end before writing would then change its result), and other kernels run.
 
     PYTHONPATH=$PWD python benchmarks/determinism_h200.py   # $OUT/determinism_h200.json
 
-Knobs: MS (1,2,16,512), TRIALS (30).
+Knobs: MS (1,2,16,512), TRIALS (30), SHAPES (a comma-separated subset of ``SHAPES``'s names; default the
+seven Llama-3.1 layers).
 """
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ OUT = os.environ.get("OUT", "/tmp")
 MS = [int(m) for m in os.environ.get("MS", "1,2,16,512").split(",")]
 TRIALS = int(os.environ.get("TRIALS", 30))
 SHAPES = {"8B.q": (4096, 4096), "8B.k": (1024, 4096), "8B.gate": (14336, 4096), "8B.down": (4096, 14336),
-          "8B.qkv": (6144, 4096), "8B.gate_up": (28672, 4096), "70B.down": (8192, 28672)}
+          "8B.qkv": (6144, 4096), "8B.gate_up": (28672, 4096), "70B.down": (8192, 28672),
+          # K % 256 != 0 (the padded scale copy of the warp-specialized GEMM); a wide K = 3072 layer
+          "Qwen2-72B.down": (8192, 29568), "Phi-3-mini.qkv": (9216, 3072)}
+DEFAULT_SHAPES = "8B.q,8B.k,8B.gate,8B.down,8B.qkv,8B.gate_up,70B.down"
+_unknown = set(os.environ.get("SHAPES", DEFAULT_SHAPES).split(",")) - set(SHAPES)
+if _unknown:
+    raise SystemExit(f"SHAPES: unknown layer(s) {sorted(_unknown)}; known: {', '.join(SHAPES)}")
+SHAPES = {name: SHAPES[name] for name in os.environ.get("SHAPES", DEFAULT_SHAPES).split(",")}
 dev = torch.device("cuda")
 
 
