@@ -521,19 +521,21 @@ def _x_pairs_from_words(xw, bidx, b_ok, h: tl.constexpr):
     return _word_pair(lo, hi, 0), _word_pair(lo, hi, 1), _word_pair(lo, hi, 2), _word_pair(lo, hi, 3)
 
 
-# the two pairings of _x_pair_prmt; 0x5F80 is bf16 2^64
-_X_PAIR_LOW = tl.constexpr("{ .reg .b32 t, c; prmt.b32 t, $1, $2, 0x5410; mov.b32 c, 0x5F805F80; "
-                           "mul.rn.bf16x2 $0, t, c; }")
-_X_PAIR_HIGH = tl.constexpr("{ .reg .b32 t, c; prmt.b32 t, $1, $2, 0x7632; mov.b32 c, 0x5F805F80; "
-                            "mul.rn.bf16x2 $0, t, c; }")
+# the two pairings of _x_pair_prmt; 0x5F80 is bf16 2^64. The product is an fma with a -0 addend (x * 2^64 + -0 is
+# x * 2^64, signed zeros included): PTX has bf16x2 fma from sm_80 but bf16x2 mul only from sm_90, and on sm_90
+# ptxas emits the same HMUL2 for both (the gemv7 build's SASS is unchanged)
+_X_PAIR_LOW = tl.constexpr("{ .reg .b32 t, c, z; prmt.b32 t, $1, $2, 0x5410; mov.b32 c, 0x5F805F80; "
+                           "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, c, z; }")
+_X_PAIR_HIGH = tl.constexpr("{ .reg .b32 t, c, z; prmt.b32 t, $1, $2, 0x7632; mov.b32 c, 0x5F805F80; "
+                            "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, c, z; }")
 
 
 @triton.jit
 def _x_pair_prmt(a, b, SEL: tl.constexpr, EMULATE: tl.constexpr):
     """``_x_pair`` of the 16-bit halves that ``prmt.b32 a, b, SEL`` picks (0x5410: both low,
     0x7632: both high) of two int32 of two bf16 each, in two instructions: the byte
-    permute, then ``mul.rn.bf16x2`` by 2^64 (exact below 2^64, zeros and subnormals
-    included; inf above, as ``_x_pair``)."""
+    permute, then times 2^64 (``fma.rn.bf16x2`` with a -0 addend; exact below 2^64, zeros
+    and subnormals included; inf above, as ``_x_pair``)."""
     if EMULATE:
         if SEL == 0x5410:
             return _x_pair(_bf16_lane(a, 0), _bf16_lane(b, 0))
