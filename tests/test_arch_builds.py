@@ -1,6 +1,5 @@
 """The kernels the dispatch launches on GPUs older than the H200 build there. Only the Hopper-only kernels
-(wgmma.py, wsgemm.py, the 16-bit quantize kernel's bf16 build, mma.py's bf16 build before this file's
-commit) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
+(wgmma.py, wsgemm.py, the 16-bit quantize kernel's bf16 build) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
 activations on an A100 (sm_80), an A10 / RTX 30 (sm_86) or an L40S / RTX 40 (sm_89) must compile for
 them. The PTX features these kernels use are the same from sm_80 to sm_89, so sm_80 stands for the
 three. Built here without a GPU (``compile_target``); the GEMV launches are the ones ``gemm._gemv6``
@@ -70,25 +69,46 @@ def _gemv_launches(monkeypatch, dtype: torch.dtype) -> list:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_builds_compile_for_sm80(monkeypatch, dtype):
+@pytest.mark.parametrize("arch,dtype", [(80, torch.bfloat16), (80, torch.float16), (75, torch.float16)])
+def test_gemv_builds_compile_for_older_gpus(monkeypatch, arch, dtype):
     """gemv6 / gemv7 (M <= 2, W4A16 and W4A4 with the activations quantized inside) for sm_80. gemv7's
     bf16 activation pairs were ``mul.rn.bf16x2`` (PTX: sm_90 and later), so before this test an A100
     or an L40S stopped with a ptxas error on every long-K layer (Llama-3.1-8B's down projection) at
-    batch 1 in bf16."""
+    batch 1 in bf16. On sm_75 (T4, RTX 20) the GEMVs take fp16 activations only and W4A4 quantizes in
+    its own launch (``gemm.gemv_bf16_reason``), so only those builds are compiled there."""
     launches = _gemv_launches(monkeypatch, dtype)
+    if arch < 80:
+        launches = [launch for launch in launches if not launch[2].get("QUANT_X")]
     kernels = {k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k, *_ in launches}
     assert kernels == {"_gemv_resident_kernel", "_gemv_stream_kernel"}  # both GEMVs were reached
     for kernel, types, ce, divisible, opts in launches:
-        ptx = compile_for(kernel, types, ce, arch=80, divisible=divisible, **opts).asm["ptx"]
+        ptx = compile_for(kernel, types, ce, arch=arch, divisible=divisible, **opts).asm["ptx"]
         assert "mul.rn.bf16x2" not in ptx
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (9, 0)])
+def test_bf16_gemv_calls_take_the_tiled_gemm_below_sm80(monkeypatch, capability):
+    """On sm_75 bf16 activations at M <= 2 (W4A16 and W4A4) take the tiled GEMM, which builds there;
+    fp16 keeps the GEMV; from sm_80 bf16 keeps it too."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gm, "INTERPRET", False)
+    monkeypatch.setattr(gm, "_capability", lambda device: capability)
+    old = capability < (8, 0)
+    assert (gm.gemv_bf16_reason(cuda) is not None) == old
+    if old:
+        assert "sm_80" in gm.gemv_bf16_reason(cuda) and "sm_75" in gm.gemv_bf16_reason(cuda)
+    for m, n, k in ((1, 6144, 4096), (1, 4096, 14336), (2, 1536, 576)):
+        for w4a4 in (False, True):
+            assert gm._auto_path(m, torch.bfloat16, w4a4, k, cuda, n) == ("gemm" if old else "gemv6")
+        assert gm._auto_path(1, torch.float16, False, k, cuda, n) == "gemv6"
+    assert gm.gemv_bf16_reason(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
-    """The tiled GEMM (M = 3..64 where mma.py does not run, and above), the dequantize kernel (before
-    cuBLAS), the split-K summing pass and the quantize kernel the guard picks there (the fp32-compare
-    one for bf16, the 16-bit one for fp16)."""
+    """The tiled GEMM (M = 3..64 where mma.py does not run, and above; M <= 2 too on sm_75, where it is
+    built as well), the dequantize kernel (before cuBLAS), the split-K summing pass and the quantize
+    kernel the guard picks there (the fp32-compare one for bf16, the 16-bit one for fp16)."""
     dt = POINTER[dtype]
     gemm_types = {"x_ptr": dt, "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
                   "bias_ptr": dt, "y_ptr": dt}
@@ -97,6 +117,8 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
         ce = dict(HAS_BIAS=True, HAS_XENC=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EVEN_K=True,
                   BF16_DIRECT=dtype == torch.bfloat16, DOT_FP32=False, SWAP_AB=bool(rest and rest[0]))
         compile_for(gm._gemm_kernel, gemm_types, ce, arch=80, num_warps=warps, num_stages=stages)
+        if m == 16:  # (the config of M <= 16)
+            compile_for(gm._gemm_kernel, gemm_types, ce, arch=75, num_warps=warps, num_stages=stages)
     compile_for(gm._dequant_kernel, {"w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32",
                                      "out_ptr": "*i16" if dtype == torch.bfloat16 else "*fp16"},
                 dict(BLOCK_N=32, BLOCK_B=16, OUT_BF16=dtype == torch.bfloat16), arch=80, num_warps=4,
@@ -144,3 +166,25 @@ def test_streamed_x_pairs_are_x_times_2_to_64_exactly(asm):
         expect = torch.where(exact.abs() > torch.finfo(torch.bfloat16).max, exact.sign() * float("inf"), exact)
         assert torch.equal(got, expect)
         assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("muldec", [False, True])
+def test_mma_kernel_compiles_for_sm80(dtype, muldec):
+    """mma.py (M = 3..64, and M = 2 on large layers) for sm_80 with bf16 activations too: its bf16
+    decode's scale product is ``fma.rn.bf16x2`` with a -0 addend, no ``mul.rn.bf16x2`` (sm_90 PTX, with
+    which bf16 had to take the tiled GEMM below sm_90); fp16 as before. The two configs of its rule."""
+    pytest.importorskip("triton.experimental.gluon")
+    from fp4ptq.kernels import mma
+
+    dt = POINTER[dtype]
+    for cfg in (dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
+                dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=3, SPLIT=False, HAS_BIAS=True, HAS_XENC=False)):
+        ce = dict(cfg, MUL=muldec)
+        ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
+        types = {"x_ptr": dt, "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+                 "bias_ptr": dt, "y_ptr": "*fp32" if cfg["SPLIT"] else dt}
+        ptx = compile_for(mma._mma_kernel, types, ce, gluon=True, arch=80, num_warps=cfg["WARPS"]).asm["ptx"]
+        assert "mul.rn.bf16x2" not in ptx
+        if dtype == torch.bfloat16:
+            assert "fma.rn.bf16x2" in ptx

@@ -65,13 +65,15 @@ def test_activation_pairing_matches_the_decode_order():
     assert mma._PAIR_X.value.count("prmt.b32") == 4
 
 
-@pytest.mark.parametrize("asm,shifts,mul", [("_DECODE", "DECODE_SHIFTS", "mul.rn.bf16x2"),
-                                             ("_DECODE_F16", "DECODE_SHIFTS_F16", "mul.rn.f16x2")])
-def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul):
+@pytest.mark.parametrize("asm,shifts,mul,tail", [("_DECODE", "DECODE_SHIFTS", "fma.rn.bf16x2", ", z"),
+                                                  ("_DECODE_F16", "DECODE_SHIFTS_F16", "mul.rn.f16x2", "")])
+def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul, tail):
+    """bf16's product is an fma with the -0 pair ``z`` (PTX from sm_80), fp16's a mul."""
     text = getattr(mma, asm).value
     assert text.count(mul) == 4
+    assert ("mov.b32 z, 0x80008000;" in text) == bool(tail)
     for p, (mag, sign) in enumerate(getattr(mma, shifts)):
-        assert f"{mul} ${p}, a, $12;" in text
+        assert f"{mul} ${p}, a, $12{tail};" in text
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
@@ -81,8 +83,20 @@ def test_multiply_decode_gives_the_shift_decodes_bits():
     inputs = multiply_decode_inputs(seed=2)
     assert_same_registers(mma._DECODE.value, mma._DECODE_MUL.value, inputs)
     text = mma._DECODE_MUL.value
-    assert text.count("mul.lo.u32") == 4 and text.count("mul.rn.bf16x2") == 4 and text.count("shr.u32") == 1
-    assert "shl.b32" not in text and text.count("and.b32") == 8
+    assert text.count("mul.lo.u32") == 4 and text.count("fma.rn.bf16x2") == 4 and text.count("shr.u32") == 1
+    assert "shl.b32" not in text and text.count("and.b32") == 8 and "mul.rn.bf16x2" not in text
+
+
+@pytest.mark.parametrize("muldec", [False, True])
+def test_fma_product_gives_the_mul_products_bits(muldec):
+    """mma.py's bf16 decodes take the scale product as ``fma.rn.bf16x2`` with a -0 addend (sm_80 PTX):
+    the same registers as with ``mul.rn.bf16x2`` (sm_90 PTX, which wgmma.py and wsgemm.py keep), zeros'
+    signs included, for every pair of codes under every sampled scale."""
+    inputs = multiply_decode_inputs(seed=3)
+    if muldec:
+        assert_same_registers(mma._decode_mul_asm("mul.rn.bf16x2"), mma._DECODE_MUL.value, inputs)
+    else:
+        assert_same_registers(mma._decode_asm(mul="mul.rn.bf16x2"), mma._DECODE.value, inputs)
 
 
 @pytest.mark.parametrize("mul", [False, True])
@@ -192,18 +206,21 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
 
 
-def test_bf16_stays_off_the_mma_path_before_sm90_and_fp16_takes_it(monkeypatch):
-    """The bf16 decode multiplies with mul.rn.bf16x2 (PTX: sm_90 and later). On an sm_80 / sm_89
-    GPU bf16 activations take the tiled GEMM without a warning, fp16 ones still take the kernel,
-    and its self-test there runs the fp16 case only."""
+def test_bf16_and_fp16_take_the_mma_path_from_sm80(monkeypatch):
+    """The bf16 decode's product is an fma (PTX: sm_80 on, as mma.sync). On an sm_80 / sm_89 GPU bf16
+    and fp16 activations both take the kernel (before session 30 bf16 took the tiled GEMM there), and
+    its self-test runs every case; below sm_80 the kernel does not run at all."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(gemm, "INTERPRET", False)
     monkeypatch.setattr(mma, "ready", lambda device: None)
     for cap in ((8, 0), (8, 9)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
-        assert "sm_90" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda)
-        assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+        assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
+        assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
         assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "sm_80" in mma._device_reason(0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     tested = []
 
@@ -214,9 +231,6 @@ def test_bf16_stays_off_the_mma_path_before_sm90_and_fp16_takes_it(monkeypatch):
         return y.copy_(x.float() @ w.dequantize(torch.float32).T)
 
     monkeypatch.setattr(mma, "matmul", fake_matmul)
-    assert mma._self_test(torch.device("cpu")) is None and tested == [torch.float16]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    tested.clear()
     assert mma._self_test(torch.device("cpu")) is None
     assert tested == [torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16]
 

@@ -1692,6 +1692,19 @@ def wsgemm_unavailable_reason(m: int, n: int, k: int, dtype: torch.dtype, device
     return _gluon_sm90_reason("wsgemm", m, n, k, dtype, device)
 
 
+def gemv_bf16_reason(device: Optional[torch.device]) -> Optional[str]:
+    """Why the GEMVs cannot take bf16 activations on ``device`` (None when they can): their block sums
+    (and W4A4's quantization inside gemv6, whose operand is bf16 pairs whatever x's dtype) are
+    ``fma.rn.bf16x2``, which PTX has from sm_80; below it (T4, RTX 20: sm_75) the dispatch gives those
+    calls to the tiled GEMM (M <= 2), and W4A4 quantizes in its own launch."""
+    if device is None or device.type != "cuda" or INTERPRET or torch.version.hip:
+        return None
+    major, minor = _capability(device)
+    if (major, minor) < (8, 0):
+        return f"the GEMVs' bf16 arithmetic (fma.rn.bf16x2) needs sm_80 or later; this GPU is sm_{major}{minor}"
+    return None
+
+
 def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
                n: int = 0) -> str:
     """The path the shape rules pick for M rows of ``dtype`` activations (N, K, device: for "mma").
@@ -1725,6 +1738,8 @@ def _auto_path(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optio
         return preferred(module) and _gluon_sm90_reason(path, m, n, k, dtype, device) is None
 
     if m <= GEMV_MAX_M:
+        if dtype == torch.bfloat16 and gemv_bf16_reason(device) is not None:
+            return "gemm"  # (sm_75)
         gemv = GEMV_PATH if dtype == torch.bfloat16 or GEMV_PATH in ("gemv", "gemv6") else "gemv4"
         if gemv == "gemv6" and not _block_offsets_fit(n, k):
             gemv = "gemv4"
@@ -1858,6 +1873,10 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
                 raise
             module.disable(x2.device, f"failed at M={m}, N={n}, K={k}: {exc!r}"[:300])
             return _matmul(x2, weight, bias, x_enc, path="cublas", out=y)  # what M > 64 took before
+    if path in ("gemv6", "gemv5") and (x2.dtype == torch.bfloat16 or amax is not None):
+        reason = gemv_bf16_reason(x2.device)
+        if reason is not None:  # (the shape rules send these calls to the tiled GEMM there)
+            raise ValueError(f"path {path!r}: {reason}")
     if path == "gemv6":
         if amax is None:
             if x2.data_ptr() % 8 or x2.stride(0) % 4:  # x is read as 8-byte words
@@ -1932,7 +1951,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     if path is None:
         path = _auto_path(x2.shape[0], x2.dtype, True, x2.shape[-1], x2.device, weight.shape[0])
         if (W4A4_FUSED and path != "gemv6" and x2.shape[0] <= GEMV_MAX_M and GEMV_PATH == "gemv6"
-                and _block_offsets_fit(weight.shape[0], x2.shape[-1])):
+                and _block_offsets_fit(weight.shape[0], x2.shape[-1]) and gemv_bf16_reason(x2.device) is None):
             path = "gemv6"  # fused: fp16 activations too (the quantized operand is bf16-exact)
         elif x2.shape[0] > GEMV_MAX_M and dot_scaled.ready(x2.device, "e2m1") is None:
             path = "dot_scaled"  # sm_100+: NVFP4 x NVFP4 on FP4 tensor cores
@@ -1941,7 +1960,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
             raise nvfp4.NVFP4Error(f"W4A4 takes bf16/fp16 activations, got {x2.dtype}")
         xp, xsc, x_enc, _ = quantize_kernel.launch_quantize(x2, input_amax, four_six, emit="packed")
         y = dot_scaled.matmul(xp, xsc, x_enc, weight, bias, x2.dtype, out=out)
-    elif path == "gemv6" and W4A4_FUSED:  # quantize inside the GEMV: one launch
+    elif path == "gemv6" and W4A4_FUSED and gemv_bf16_reason(x2.device) is None:  # quantize inside the GEMV
         if x2.shape[-1] % BLOCK_SIZE:
             raise nvfp4.NVFP4Error(f"W4A4: activation last dim {x2.shape[-1]} is not a multiple of {BLOCK_SIZE}")
         y = _matmul(x2, weight, bias, path=path, out=out, amax=input_amax.reshape(1), four_six=four_six)
@@ -2001,7 +2020,8 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     if w4a4:
         from . import dot_scaled
 
-        if (W4A4_FUSED and m <= GEMV_MAX_M and GEMV_PATH == "gemv6") or four_six not in quantize_kernel.FOUR_SIX_CODES \
+        if (W4A4_FUSED and m <= GEMV_MAX_M and GEMV_PATH == "gemv6" and gemv_bf16_reason(device) is None) \
+                or four_six not in quantize_kernel.FOUR_SIX_CODES \
                 or input_amax.device != device or input_amax.dtype != torch.float32 \
                 or (m > GEMV_MAX_M and dot_scaled.ready(device, "e2m1") is None):
             return None  # quantized inside the GEMV or on FP4 tensor cores; an amax the dispatch converts

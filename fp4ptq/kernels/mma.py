@@ -13,7 +13,8 @@ cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
   (the 8 elements share an address) and decoded by bit moves (bf16: mask,
   multiply, mask, ``decode_mul_line``; fp16: shifts and masks) into four
   16-bit-float pairs, codes ``(p, p + 4)`` in register ``p``: bf16
-  ``v * 2^-126`` times ``scale * 2^100`` (``mul.rn.bf16x2``), or fp16
+  ``v * 2^-126`` times ``scale * 2^100`` (``fma.rn.bf16x2`` with a -0 addend: the product, in
+  PTX that sm_80 has; ptxas gives sm_90 the same HMUL2 as ``mul.rn.bf16x2``), or fp16
   ``v * 2^-14`` times ``scale`` (``mul.rn.f16x2``); both products are exact
   (see gemm.py for the placements). So the tensor core sees K in the order
   0, 4, 1, 5, 2, 6, 3, 7 within every 8: the activation (B operand, 16 bytes
@@ -74,46 +75,69 @@ def _shift(dst: str, amount: int, src: str = "$4") -> str:
     return f"{op} {dst}, {src}, {abs(amount)};"
 
 
+# The scale product of mma.py's own bf16 decode: an fma with a -0 addend (``z``), which is the product itself
+# (signed zeros included). PTX has bf16x2 fma from sm_80 but bf16x2 mul only from sm_90, and ptxas emits the
+# same HMUL2 for both on sm_90, so the kernel builds for sm_80-89 (A100, A10, L40S) with the same sm_90 code.
+# wgmma.py and wsgemm.py run on sm_90 only and keep the mul.
+FMA_BF16 = "fma.rn.bf16x2"
+NEG_ZERO_PAIR = 0x80008000
+
+
+def _product(dst: str, a: str, scale: str, mul: str) -> str:
+    if mul == FMA_BF16:
+        return f"{FMA_BF16} {dst}, {a}, {scale}, z;"
+    return f"{mul} {dst}, {a}, {scale};"
+
+
+def _regs(names: str, mul: str) -> list:
+    """The scratch register declarations of a decode block (and the -0 pair of the fma product)."""
+    if mul == FMA_BF16:
+        return [f".reg .b32 {names}, z;", f"mov.b32 z, {NEG_ZERO_PAIR:#010x};"]
+    return [f".reg .b32 {names};"]
+
+
 def decode_line(dst: str, word: str, scale: str, shifts: tuple, mag_mask: int, mul: str) -> str:
     """PTX of one decoded register ``dst``: the magnitude and sign of two codes of ``word`` moved
     by ``shifts`` = (magnitude shift, sign shift) into a 16-bit-float pair, times ``scale``."""
     mag, sign = shifts
     return (f"{_shift('a', mag, word)} {_shift('b', sign, word)} and.b32 a, a, {mag_mask:#010x}; "
-            f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; {mul} {dst}, a, {scale};")
+            f"and.b32 b, b, {SIGN_MASK:#010x}; or.b32 a, a, b; {_product(dst, 'a', scale, mul)}")
 
 
-def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:
+def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul=FMA_BF16) -> str:
     """PTX of the decode: operands $0-$3 the four registers, $4 the word (the 8
     copies are one register), $12 the scale pair (bf16x2 ``scale * 2^100`` or
     f16x2 ``scale``); the product is exact in both (``v * scale * 2^-26`` /
     ``v * scale * 2^-14``, the latter down to fp16's smallest subnormal)."""
     lines = [decode_line(f"${p}", "$4", "$12", shifts[p], mag_mask, mul) for p in range(4)]
-    return "\n".join(["{", ".reg .b32 a, b;", *lines, "}"])
+    return "\n".join(["{", *_regs("a, b", mul), *lines, "}"])
 
 
-def decode_mul_line(dst: str, word: str, scale: str, q: int) -> str:
+def decode_mul_line(dst: str, word: str, scale: str, q: int, mul: str = "mul.rn.bf16x2") -> str:
     """PTX of one decoded bf16 register in three integer operations instead of five (gemm.py's
     ``_pair_mul``): codes ``q`` and ``q + 4`` of ``word`` (q = 0, 1) isolated, one multiply by
     ``2^(6 - 4q) + 2^(12 - 4q)`` makes two copies of each nibble (the four fields never overlap, so
     no carries), one mask keeps the magnitude of the first copy (bits 6..8) and the sign of the
-    second (bit 15); then times ``scale``. The same bits as ``decode_line`` with ``DECODE_SHIFTS[q]``;
-    codes 2, 3 (6, 7) are codes 0, 1 of the word shifted right by 8."""
+    second (bit 15); then times ``scale`` (``mul``; ``FMA_BF16`` takes the block's -0 pair ``z``, see
+    ``_regs``). The same bits as ``decode_line`` with ``DECODE_SHIFTS[q]``; codes 2, 3 (6, 7) are codes
+    0, 1 of the word shifted right by 8."""
     return (f"and.b32 a, {word}, {0x000F000F << (4 * q):#010x}; "
             f"mul.lo.u32 a, a, {(1 << (6 - 4 * q)) + (1 << (12 - 4 * q)):#x}; "
-            f"and.b32 a, a, {MAG_MASK | SIGN_MASK:#010x}; mul.rn.bf16x2 {dst}, a, {scale};")
+            f"and.b32 a, a, {MAG_MASK | SIGN_MASK:#010x}; {_product(dst, 'a', scale, mul)}")
 
 
-def decode_mul_lines(dsts, word: str, scale: str) -> list:
+def decode_mul_lines(dsts, word: str, scale: str, mul: str = "mul.rn.bf16x2") -> list:
     """``decode_mul_line`` for the four registers ``dsts`` (codes (p, p + 4), p = 0..3) of ``word``:
     one ``shr`` into ``b`` gives codes 2, 3 as codes 0, 1 (``a``, ``b`` scratch registers)."""
-    return [f"shr.u32 b, {word}, 8;"] + [decode_mul_line(d, word if p < 2 else "b", scale, p % 2)
+    return [f"shr.u32 b, {word}, 8;"] + [decode_mul_line(d, word if p < 2 else "b", scale, p % 2, mul)
                                           for p, d in enumerate(dsts)]
 
 
-def _decode_mul_asm() -> str:
+def _decode_mul_asm(mul: str = FMA_BF16) -> str:
     """``_decode_asm``'s bf16 PTX with the multiply decode (``decode_mul_line``): 17 operations a
     word instead of 24, the same bits."""
-    return "\n".join(["{", ".reg .b32 a, b;", *decode_mul_lines([f"${p}" for p in range(4)], "$4", "$12"), "}"])
+    return "\n".join(["{", *_regs("a, b", mul), *decode_mul_lines([f"${p}" for p in range(4)], "$4", "$12", mul),
+                      "}"])
 
 
 # The bf16 decode by multiply (``decode_mul_line``), bit-equal to the shifts; H200 (results/muldec_tc_h200.json,
@@ -507,11 +531,12 @@ _READY: dict = {}
 
 
 def dtype_reason(index: int, dtype: torch.dtype) -> Optional[str]:
-    """Why this GPU cannot decode for ``dtype`` activations (None when it can): the bf16 decode
-    multiplies with ``mul.rn.bf16x2``, which PTX has from sm_90; fp16's ``mul.rn.f16x2`` runs on
-    every GPU with ``mma.sync``."""
-    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(index) < (9, 0):
-        return "the mma path's bf16 decode (mul.rn.bf16x2) needs sm_90; bf16 takes the tiled GEMM here"
+    """Why this GPU cannot decode for ``dtype`` activations (None when it can): the bf16 decode's
+    product is ``fma.rn.bf16x2`` (sm_80 on, as ``mma.sync`` itself), fp16's ``mul.rn.f16x2``; both
+    run on every GPU the kernel takes (``_device_reason``). Until session 30 the bf16 product was
+    ``mul.rn.bf16x2`` (sm_90 PTX), and bf16 took the tiled GEMM on sm_80-89."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the mma path decodes for bf16 or fp16 activations, not {dtype}"
     return None
 
 
@@ -536,8 +561,8 @@ def product_check(fn, cases, device: torch.device) -> Optional[str]:
 
 def _self_test(device: torch.device) -> Optional[str]:
     """Small products against the reference decode: a partial row tile with
-    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16
-    (the bf16 ones only where the bf16 decode runs), a shorter last K range."""
+    split K and 128-wide K steps (M = 5), 64-wide steps with M = 40, fp16,
+    a shorter last K range."""
     cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16),
              (7, 200, 1664, torch.bfloat16))  # K ranges of 512, 512, 512 and 128
     return product_check(matmul, [c for c in cases if dtype_reason(_index(device), c[3]) is None], device)
