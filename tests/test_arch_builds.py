@@ -2,7 +2,7 @@
 (wgmma.py, wsgemm.py, the 16-bit quantize kernel's bf16 build) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
 activations on an A100 (sm_80), an A10 / RTX 30 (sm_86) or an L40S / RTX 40 (sm_89) must compile for
 them. The PTX features these kernels use are the same from sm_80 to sm_89, so sm_80 stands for the
-three. Built here without a GPU (``compile_target``); the GEMV launches are the ones ``gemm._gemv6``
+three. Built here without a GPU (``compile_target``), each within the target's shared memory; the GEMV launches are the ones ``gemm._gemv6``
 builds for real layer shapes, recorded instead of run."""
 from __future__ import annotations
 
@@ -24,6 +24,18 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg", "lau
 SHAPES = {"8B.qkv": (6144, 4096), "8B.gate_up": (28672, 4096), "Llama-2-7B.down": (4096, 11008),
           "8B.down": (4096, 14336), "Qwen2-7B.down": (3584, 18944), "70B.down": (8192, 28672),
           "SmolLM2.down": (576, 1536)}
+
+
+# shared memory a block may have (opt-in maxima): sm_75 (T4) 64 KB; sm_86 / sm_89 99 KB, the least of the
+# sm_80-89 family that sm_80 stands for here (the A100 has 163 KB)
+SMEM_LIMIT = {75: 64 * 1024, 80: 99 * 1024}
+
+
+def _build(fn, types, constexprs, *, arch, **options):
+    """``compile_for`` that also checks the build's shared memory fits the target family's blocks."""
+    kernel = compile_for(fn, types, constexprs, arch=arch, **options)
+    assert kernel.metadata.shared <= SMEM_LIMIT[arch], (fn, kernel.metadata.shared)
+    return kernel
 
 
 class _Recorded:
@@ -82,7 +94,7 @@ def test_gemv_builds_compile_for_older_gpus(monkeypatch, arch, dtype):
     kernels = {k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k, *_ in launches}
     assert kernels == {"_gemv_resident_kernel", "_gemv_stream_kernel"}  # both GEMVs were reached
     for kernel, types, ce, divisible, opts in launches:
-        ptx = compile_for(kernel, types, ce, arch=arch, divisible=divisible, **opts).asm["ptx"]
+        ptx = _build(kernel, types, ce, arch=arch, divisible=divisible, **opts).asm["ptx"]
         assert "mul.rn.bf16x2" not in ptx
 
 
@@ -116,14 +128,14 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
         bm, bn, bk, group, warps, stages, *rest = gm._gemm_config(m, 4096, 4096)
         ce = dict(HAS_BIAS=True, HAS_XENC=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EVEN_K=True,
                   BF16_DIRECT=dtype == torch.bfloat16, DOT_FP32=False, SWAP_AB=bool(rest and rest[0]))
-        compile_for(gm._gemm_kernel, gemm_types, ce, arch=80, num_warps=warps, num_stages=stages)
+        _build(gm._gemm_kernel, gemm_types, ce, arch=80, num_warps=warps, num_stages=stages)
         if m == 16:  # (the config of M <= 16)
-            compile_for(gm._gemm_kernel, gemm_types, ce, arch=75, num_warps=warps, num_stages=stages)
-    compile_for(gm._dequant_kernel, {"w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32",
+            _build(gm._gemm_kernel, gemm_types, ce, arch=75, num_warps=warps, num_stages=stages)
+    _build(gm._dequant_kernel, {"w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32",
                                      "out_ptr": "*i16" if dtype == torch.bfloat16 else "*fp16"},
                 dict(BLOCK_N=32, BLOCK_B=16, OUT_BF16=dtype == torch.bfloat16), arch=80, num_warps=4,
                 enable_fp_fusion=False)
-    compile_for(gm._gemv_split_finish, {"part_ptr": "*fp32", "bias_ptr": dt, "y_ptr": dt},
+    _build(gm._gemv_split_finish, {"part_ptr": "*fp32", "bias_ptr": dt, "y_ptr": dt},
                 dict(SEGMENTS=4, HAS_BIAS=True, BLOCK=1024, PDL=False), arch=80, num_warps=4)
     monkeypatch.setattr(qk, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -135,13 +147,13 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
                      "packed_ptr": "*i32", "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
             ce = dict(F16=True, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, ASM=True, BLOCK_M=1,
                       BLOCKS_K=128, TABLE=False, WORD_MAJOR=False)
-            compile_for(qk._quantize16_kernel, types, ce, arch=80, divisible=("K", "stride_xw", "stride_sw"),
+            _build(qk._quantize16_kernel, types, ce, arch=80, divisible=("K", "stride_xw", "stride_sw"),
                         num_warps=4, enable_fp_fusion=False)
         else:
             types = {"x_ptr": dt, "amax_ptr": "*fp32", "enc_ptr": "*fp32", "packed_ptr": "*i32", "scale_ptr": "*u8",
                      "chose_ptr": "*i8", "scaled_ptr": dt}
             ce = dict(FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, BLOCK_M=1, BLOCKS_K=32)
-            compile_for(qk._quantize_kernel, types, ce, arch=80, num_warps=4, enable_fp_fusion=False)
+            _build(qk._quantize_kernel, types, ce, arch=80, num_warps=4, enable_fp_fusion=False)
 
 
 @pytest.mark.parametrize("asm", ["_X_PAIR_LOW", "_X_PAIR_HIGH"])
@@ -184,7 +196,7 @@ def test_mma_kernel_compiles_for_sm80(dtype, muldec):
         ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
         types = {"x_ptr": dt, "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
                  "bias_ptr": dt, "y_ptr": "*fp32" if cfg["SPLIT"] else dt}
-        ptx = compile_for(mma._mma_kernel, types, ce, gluon=True, arch=80, num_warps=cfg["WARPS"]).asm["ptx"]
+        ptx = _build(mma._mma_kernel, types, ce, gluon=True, arch=80, num_warps=cfg["WARPS"]).asm["ptx"]
         assert "mul.rn.bf16x2" not in ptx
         if dtype == torch.bfloat16:
             assert "fma.rn.bf16x2" in ptx
