@@ -312,20 +312,22 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # compiled: one opaque op (no graph break, no Python traced per launch); it has no backward, so
-        # a graph that needs x's gradient traces the eager code instead (the reference path has one)
+        # a graph that needs a gradient traces the eager code instead (kernels._Linear has one)
         fused = self._fused
-        if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
+        bias = self.bias
+        grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if torch.compiler.is_compiling() and not grad:
             if fused is not None:
                 y = fused[0].traced_output(fused[1], x)  # one op for the group (fp4ptq/fusion.py)
                 if y is not None:
                     return y
             return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
                                 self.input_global_scale, self.act_four_six)
-        if fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
+        if fused is not None and not grad:
             y = fused[0].output(fused[1], x)  # one GEMM for the group (fp4ptq/fusion.py)
             if y is not None:
                 return y
-        if x.is_cuda and LAUNCH_PLANS:
+        if x.is_cuda and LAUNCH_PLANS and not grad:  # (a plan launches outside autograd: kernels._Linear)
             y = self._planned(x)
             if y is not None:
                 return y

@@ -1168,3 +1168,32 @@ def test_host_integer_helpers_equal_tritons():
             assert cdiv(a, b) == triton.cdiv(a, b)
     for big in (2**31 - 1, 2**31, 2**33 + 5, 57344 * 8192):
         assert next_pow2(big) == triton.next_power_of_2(big) and cdiv(big, 16) == triton.cdiv(big, 16)
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
+def test_triton_layers_pass_gradients_as_the_reference_does(tk, m, scheme):
+    """The Triton path (every CUDA call) asked for a gradient: the same forward bits as without one,
+    and x's and the bias's gradients equal the reference backend's (``kernels._Linear``; before
+    session 30 the output came back outside autograd and the gradient was dropped)."""
+    g = torch.Generator().manual_seed(7)
+    w = nvfp4.quantize(torch.randn(40, 160, generator=g))
+    amax = torch.tensor(2.0)
+    grads = {}
+    for backend in ("triton", "reference"):
+        x = torch.randn(m, 160, generator=torch.Generator().manual_seed(8)).mul(1.5).bfloat16().requires_grad_()
+        bias = torch.randn(40, generator=torch.Generator().manual_seed(9)).bfloat16().requires_grad_()
+        if scheme == "w4a16":
+            run = lambda x, b: kernels.linear_w4a16(x, w, b, backend=backend)  # noqa: E731
+        else:
+            run = lambda x, b: kernels.linear_w4a4(x, w, amax, b, four_six="mse", backend=backend)  # noqa: E731
+        y = run(x, bias)
+        assert y.grad_fn is not None
+        if backend == "triton":
+            with torch.no_grad():
+                assert torch.equal(y, run(x, bias))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(10)).bfloat16())
+        grads[backend] = (x.grad, bias.grad)
+    assert torch.equal(grads["triton"][0], grads["reference"][0])
+    assert torch.equal(grads["triton"][1], grads["reference"][1])

@@ -118,6 +118,42 @@ def quantize(
 Decoder = Callable[[torch.dtype], torch.Tensor]
 
 
+def _needs_grad(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
+class _Linear(torch.autograd.Function):
+    """An NVFP4 layer's product where a gradient is asked for (LoRA-style training on a quantized base,
+    input attributions): the Triton kernels write their outputs outside autograd, and W4A4's activation
+    quantizer has no derivative, so both would drop the gradient through the layer without a word.
+    The packed weight is frozen: ``dx = dy @ dequant(W)`` (in dy's dtype) and ``dbias = sum(dy)``;
+    W4A4 passes dy straight through its activation quantizer where ``|x|`` is within what it
+    represents (``6 * 448 / global_enc``, past which it saturates) and stops it beyond (a clipped
+    straight-through estimator). Forward: the dispatch, unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, bias, weight, input_amax, four_six, backend, decoded):
+        ctx.weight = weight
+        ctx.w4a4 = input_amax is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if ctx.w4a4:
+            enc = nvfp4.global_encode_scale(input_amax.to(device=x.device, dtype=torch.float32), four_six is not None)
+            ctx.save_for_backward(x.abs() <= (6.0 * 448.0) / enc)
+            return linear_w4a4(x, weight, input_amax, bias, four_six=four_six, backend=backend, decoded=decoded)
+        return linear_w4a16(x, weight, bias, backend=backend, decoded=decoded)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = dbias = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dy, ctx.weight.dequantize(dy.dtype).to(dy.device))
+            if ctx.w4a4:
+                dx = dx * ctx.saved_tensors[0]
+        if ctx.needs_input_grad[1]:
+            dbias = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return dx, dbias, None, None, None, None, None
+
+
 def linear_w4a16(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -126,10 +162,13 @@ def linear_w4a16(
     backend: str = "auto",
     decoded: Optional[Decoder] = None,
 ) -> torch.Tensor:
-    """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype.
+    """``y = x @ dequant(weight).T + bias`` for ``x [..., K]`` in x's dtype; differentiable in x
+    and bias where they ask for it (the weight is frozen; ``_Linear``).
 
     decoded: optional ``dtype -> weight.dequantize(dtype)`` (e.g. a cache); only
              the reference path calls it, the Triton kernels read the packed weight."""
+    if _needs_grad(x, bias):
+        return _Linear.apply(x, bias, weight, None, None, backend, decoded)
     if _pick(backend, x, "linear_w4a16", weight) == "triton":
         from . import gemm
 
@@ -186,7 +225,10 @@ def linear_w4a4(
 ) -> torch.Tensor:
     """W4A4: quantize ``x`` per 16-block under the static ``input_amax`` (with
     Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``.
-    ``decoded`` as in ``linear_w4a16`` (called with fp32)."""
+    ``decoded`` as in ``linear_w4a16`` (called with fp32). Differentiable in x (a clipped
+    straight-through estimator for the activation quantizer) and bias (``_Linear``)."""
+    if _needs_grad(x, bias):
+        return _Linear.apply(x, bias, weight, input_amax, four_six, backend, decoded)
     if _pick(backend, x, "linear_w4a4", weight) == "triton":
         from . import gemm
 
