@@ -5,7 +5,9 @@ GEMM, dequantize + cuBLAS), bf16 and fp16, W4A16 and W4A4, after the layer has b
 * the forward with x requiring a gradient gives the bits of the forward without one;
 * x's gradient equals ``dy @ dequant(W)`` (W4A4: masked where |x| is past the quantizer's range), the
   bias's ``sum(dy)``, both bit for bit;
-* an adapter in front of the layer gets a gradient (none was dropped).
+* an adapter in front of the layer gets a gradient (none was dropped);
+* an fp32 layer under ``torch.autocast("cuda", bfloat16)`` gives the bits of its bf16 call (the kernels) and
+  a gradient to its fp32 input.
 
     PYTHONPATH=$PWD python benchmarks/autograd_check_h200.py   # $OUT/autograd_check_h200.json
 """
@@ -62,6 +64,26 @@ def main() -> None:
                            "adapter_grad_nonzero": bool(adapter.weight.grad.abs().sum() > 0)}
                     rows.append(row)
                     print(row, flush=True)
+    # an fp32 layer under autocast: the bf16 call's bits (the kernels, not the fp32 reference decode)
+    n, k = SHAPES["8B.qkv"]
+    w = nvfp4.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02)
+    for scheme in ("w4a16", "w4a4"):
+        layer = NVFP4Linear.from_quantized(w, torch.randn(n, device=dev, generator=g), scheme=scheme,
+                                           input_amax=3.0 if scheme == "w4a4" else None, dtype=torch.float32)
+        for m in MS:
+            x = torch.randn(m, k, device=dev, generator=g).requires_grad_()
+            with torch.no_grad():
+                want = layer(x.detach().bfloat16())
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            y.float().sum().backward()
+            row = {"layer": "8B.qkv fp32 module", "dtype": "autocast bf16", "scheme": scheme, "m": m,
+                   "path": kernels.auto_path(m, n, k, torch.bfloat16, dev, w4a4=scheme == "w4a4"),
+                   "forward_bits_equal": bool(y.dtype == torch.bfloat16 and torch.equal(y.detach(), want)),
+                   "x_grad_equal": bool(x.grad is not None and x.grad.dtype == torch.float32), "bias_grad_equal": True,
+                   "adapter_grad_nonzero": bool(x.grad is not None and x.grad.abs().sum() > 0)}
+            rows.append(row)
+            print(row, flush=True)
     bad = [r for r in rows if not all(r[key] for key in ("forward_bits_equal", "x_grad_equal", "bias_grad_equal",
                                                          "adapter_grad_nonzero"))]
     print(f"{len(rows)} cases, {len(bad)} failing")

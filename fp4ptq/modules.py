@@ -313,6 +313,11 @@ class NVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # compiled: one opaque op (no graph break, no Python traced per launch); it has no backward, so
         # a graph that needs a gradient traces the eager code instead (kernels._Linear has one)
+        if x.dtype == torch.float32 and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+            # as F.linear under autocast: a 16-bit input (which the kernels take) and output; inside, the
+            # layer computes what it computes on that input without autocast (W4A4's fp32 products stay fp32)
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x.to(torch.get_autocast_dtype(x.device.type)))
         fused = self._fused
         bias = self.bias
         grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
@@ -321,7 +326,7 @@ class NVFP4Linear(nn.Module):
                 y = fused[0].traced_output(fused[1], x)  # one op for the group (fp4ptq/fusion.py)
                 if y is not None:
                     return y
-            return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias,
+            return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias,
                                 self.input_global_scale, self.act_four_six)
         if fused is not None and not grad:
             y = fused[0].output(fused[1], x)  # one GEMM for the group (fp4ptq/fusion.py)
@@ -337,7 +342,7 @@ class NVFP4Linear(nn.Module):
             decoded = self._decoded_weight
         elif self._decoded is not None:
             self._decoded = None
-        return _linear(x, weight, self.bias, self._cached_input_amax(), self.act_four_six, decoded)
+        return _linear(x, weight, bias, self._cached_input_amax(), self.act_four_six, decoded)
 
     def extra_repr(self) -> str:
         extra = f", act_four_six={self.act_four_six}" if self.act_four_six else ""

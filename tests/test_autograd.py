@@ -78,3 +78,22 @@ def test_an_adapter_before_a_quantized_layer_learns(scheme):
     assert adapter.weight.grad is not None and adapter.weight.grad.abs().sum() > 0
     torch.testing.assert_close(h.grad, (2 * y.detach()) @ w.dequantize(torch.float32), rtol=0, atol=1e-5)
     assert all(p.grad is None for p in q.parameters())  # the quantized layer itself stays frozen
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
+def test_autocast_gives_the_layer_16_bit_inputs_as_it_does_linear(scheme):
+    """Under autocast (mixed-precision training or inference with an fp32 model) an fp32 input is cast
+    to the autocast dtype, as ``F.linear`` does there: on CUDA that is what the kernels take (an fp32
+    input would fall back to the reference decode). The output is the module's on the cast input, and
+    the gradient reaches the fp32 input."""
+    w = _layer()
+    q = NVFP4Linear.from_quantized(w, torch.randn(48), scheme=scheme, input_amax=4.0 if scheme == "w4a4" else None,
+                                   dtype=torch.float32)
+    x = torch.randn(3, 96).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = q(x)
+    assert y.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(y, q(x.detach().bfloat16()))
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0

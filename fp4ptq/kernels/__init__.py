@@ -175,7 +175,8 @@ def linear_w4a16(
         with _on_device_of(x):
             return gemm.linear_w4a16(x, weight, bias)
     w_hat = decoded(x.dtype) if decoded is not None else weight.dequantize(x.dtype)
-    return torch.nn.functional.linear(x, w_hat, bias)
+    # (a bias of another dtype is taken in x's, as the kernels read it)
+    return torch.nn.functional.linear(x, w_hat, None if bias is None else bias.to(x.dtype))
 
 
 def linear_plan(
@@ -240,7 +241,7 @@ def linear_w4a4(
     w_hat = decoded(torch.float32) if decoded is not None else weight.dequantize(torch.float32)
     y = torch.nn.functional.linear(x_hat, w_hat)
     y = y.to(x.dtype)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 __all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
