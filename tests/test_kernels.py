@@ -1197,3 +1197,19 @@ def test_triton_layers_pass_gradients_as_the_reference_does(tk, m, scheme):
         grads[backend] = (x.grad, bias.grad)
     assert torch.equal(grads["triton"][0], grads["reference"][0])
     assert torch.equal(grads["triton"][1], grads["reference"][1])
+
+
+@interpreted
+@pytest.mark.parametrize("path", ["gemv6", "gemm", "cublas"])
+def test_a_bias_of_another_dtype_is_taken_on_every_path(tk, path):
+    """An fp32 bias with bf16 activations (an fp32 layer under autocast): every path takes it (the
+    dequantize + cuBLAS path raised a dtype error before session 30) and lands near the exact product."""
+    _, gm = tk
+    g = torch.Generator().manual_seed(11)
+    w = nvfp4.quantize(torch.randn(40, 160, generator=g))
+    x = torch.randn(3 if path != "gemv6" else 2, 160, generator=g).bfloat16()
+    bias = torch.randn(40, generator=g)
+    y = gm.linear_w4a16(x, w, bias, path=path)
+    ref = x.float() @ w.dequantize(torch.float32).T + bias
+    assert y.dtype == torch.bfloat16
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2

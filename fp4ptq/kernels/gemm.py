@@ -1826,7 +1826,9 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         if x_enc is None:
             # exactly the reference: F.linear on the bit-identical dequantized weight
             w = dequantize(weight, x2.dtype)
-            return torch.addmm(bias, x2, w.t(), out=y) if has_bias else torch.mm(x2, w.t(), out=y)
+            if has_bias:  # (a bias of another dtype, e.g. an fp32 layer's under autocast, in x's as addmm needs)
+                return torch.addmm(bias.to(x2.dtype), x2, w.t(), out=y)
+            return torch.mm(x2, w.t(), out=y)
         # W4A4: exact v*scale operands (bf16 holds them exactly for fp16 activations too), fp32
         # sums in cuBLAS kept in fp32, divided by global_w * global_x in fp32, then rounded once into
         # x's dtype, as the reference: no fp16 overflow (a product reaches (6 * 448)^2) and no
