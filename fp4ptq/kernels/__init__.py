@@ -139,8 +139,8 @@ class _Linear(torch.autograd.Function):
         if ctx.w4a4:
             enc = nvfp4.global_encode_scale(input_amax.to(device=x.device, dtype=torch.float32), four_six is not None)
             ctx.save_for_backward(x.abs() <= (6.0 * 448.0) / enc)
-            return linear_w4a4(x, weight, input_amax, bias, four_six=four_six, backend=backend, decoded=decoded)
-        return linear_w4a16(x, weight, bias, backend=backend, decoded=decoded)
+            return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
+        return _w4a16(x, weight, bias, backend, decoded)
 
     @staticmethod
     def backward(ctx, dy):
@@ -169,6 +169,10 @@ def linear_w4a16(
              the reference path calls it, the Triton kernels read the packed weight."""
     if _needs_grad(x, bias):
         return _Linear.apply(x, bias, weight, None, None, backend, decoded)
+    return _w4a16(x, weight, bias, backend, decoded)
+
+
+def _w4a16(x, weight, bias, backend, decoded):
     if _pick(backend, x, "linear_w4a16", weight) == "triton":
         from . import gemm
 
@@ -230,6 +234,10 @@ def linear_w4a4(
     straight-through estimator for the activation quantizer) and bias (``_Linear``)."""
     if _needs_grad(x, bias):
         return _Linear.apply(x, bias, weight, input_amax, four_six, backend, decoded)
+    return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
+
+
+def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
     if _pick(backend, x, "linear_w4a4", weight) == "triton":
         from . import gemm
 
