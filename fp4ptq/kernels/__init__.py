@@ -119,7 +119,7 @@ Decoder = Callable[[torch.dtype], torch.Tensor]
 
 
 def _needs_grad(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return (x.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled()
 
 
 class _Linear(torch.autograd.Function):
