@@ -50,6 +50,16 @@ def test_w4a4_passes_the_gradient_straight_through_inside_the_quantizers_range(f
     assert torch.equal(x.grad[~inside], torch.zeros(int((~inside).sum())))
 
 
+def test_w4a4_takes_a_python_float_amax_with_a_gradient_too():
+    w = _layer()
+    x = torch.randn(4, 96).requires_grad_()
+    y = kernels.linear_w4a4(x, w, 2.0)
+    y.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(y, kernels.linear_w4a4(x, w, torch.tensor(2.0)))
+    assert x.grad is not None
+
+
 def test_no_graph_where_no_gradient_is_asked_for():
     w = _layer()
     x = torch.randn(4, 96)
