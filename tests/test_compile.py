@@ -99,3 +99,23 @@ def test_a_compiled_layer_still_passes_gradients_to_its_input():
     torch._dynamo.reset()
     torch.compile(mod, backend="aot_eager")(x).square().sum().backward()
     torch.testing.assert_close(x.grad, want)
+
+
+def test_a_compiled_layer_under_autocast_gives_the_eager_bits_and_gradient():
+    """An fp32 layer under autocast (mixed-precision training of an adapter on a quantized base, compiled):
+    the input is taken in the autocast dtype as in eager mode (``NVFP4Linear.forward``), with and without a
+    gradient."""
+    mod = layer(32, 24, "w4a16", None, True, 5)
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = mod(x)
+    want.float().sum().backward()
+    want_grad, x.grad = x.grad.clone(), None
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(x)
+    got.float().sum().backward()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and torch.equal(x.grad, want_grad)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(compiled(x), want.detach())
