@@ -57,6 +57,12 @@ def _same_buffer(state, tensor: torch.Tensor) -> bool:
     return ref() is tensor and data_ptr == tensor.data_ptr() and version == tensor._version
 
 
+# buffers in the checkpoint's own dtypes, kept through dtype conversions (``NVFP4Linear._apply``), with the
+# integer dtype of their bits
+_FORMAT_BUFFERS = ("weight_scale", "weight_global_scale", "input_global_scale")
+_BITS = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
+
+
 def _linear(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor],
             input_amax: Optional[torch.Tensor], act_four_six: Optional[str], decoded=None) -> torch.Tensor:
     """The layer's product through the dispatch: W4A4 when ``input_amax`` is given."""
@@ -288,7 +294,27 @@ class NVFP4Linear(nn.Module):
         self._decoded = None
         self._amax = None
         self._plans = None
-        return super()._apply(fn, recurse)
+        # The scales are part of the format (E4M3 block scales, fp32 global scales), not activations: a
+        # dtype conversion (model.half(), model.to(torch.bfloat16)) must not reach them (it rounded the
+        # global scales to 16 bits and changed every output). They go through ``fn`` as integer views of
+        # their bits, which conversions leave alone and device moves, sharing and the like still take.
+        kept = {}
+        for name in _FORMAT_BUFFERS:
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype in _BITS:
+                kept[name] = buf
+                self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buf in kept.items():
+                bits = buf.view(_BITS[buf.dtype])
+                out = fn(bits)
+                self._buffers[name] = buf if out is bits else out.view(buf.dtype)
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.weight_packed.device))
+        if probe.is_floating_point():  # the layer's nominal dtype follows a conversion (as its bias does)
+            self.dtype = probe.dtype
+        return self
 
     def __getstate__(self):
         state = super().__getstate__()
