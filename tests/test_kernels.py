@@ -1213,3 +1213,20 @@ def test_a_bias_of_another_dtype_is_taken_on_every_path(tk, path):
     ref = x.float() @ w.dequantize(torch.float32).T + bias
     assert y.dtype == torch.bfloat16
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@interpreted
+def test_operands_on_another_device_are_refused_with_the_devices_named(tk):
+    """The kernels read every operand where x is: a weight or bias elsewhere (another GPU, the CPU under a
+    CUDA x) is refused before any launch, naming both devices (here the meta device stands in)."""
+    _, gm = tk
+    w = nvfp4.quantize(torch.randn(32, 64))
+    x = torch.randn(2, 64).bfloat16()
+    elsewhere = nvfp4.NVFP4Tensor(w.packed.to("meta"), w.block_scale.to("meta"), w.global_enc.to("meta"), w.shape,
+                                  w.dtype)
+    with pytest.raises(ValueError, match="activations are on cpu, its weight on meta"):
+        gm.linear_w4a16(x, elsewhere)
+    with pytest.raises(ValueError, match="its bias on meta"):
+        gm.linear_w4a4(x, w, 2.0, torch.zeros(32, device="meta"))
+    with pytest.raises(ValueError, match="its weight on meta"):
+        gm.linear_plan(x, elsewhere)

@@ -1924,11 +1924,23 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     return y
 
 
+def _same_device(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor]) -> None:
+    """The kernels read every operand where x is: a weight or bias elsewhere (another GPU, the CPU) would be
+    read through a pointer of the wrong device, so it is refused with the devices named."""
+    where = x.device
+    for name, t in (("weight", weight.packed), ("block scales", weight.block_scale), ("global scale", weight.global_enc),
+                    ("bias", bias)):
+        if t is not None and t.device != where:
+            raise ValueError(f"NVFP4 layer: the activations are on {where}, its {name} on {t.device}; "
+                             f"move them to one device")
+
+
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
                  path: Optional[str] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
     ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "wgmma", "wsgemm", "gemm",
     "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
+    _same_device(x, weight, bias)
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)
     return y.reshape(*lead, y.shape[-1])
@@ -1942,6 +1954,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     result by both global scales: exact NVFP4 x NVFP4 products, fp32 sums."""
     from . import dot_scaled  # (it imports this module's output scaling)
 
+    _same_device(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not torch.is_tensor(input_amax):
@@ -1996,6 +2009,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     replay without Triton's binder from the plan's third call; it gives the dispatch's bits. Eager
     decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps its plans
     (``modules.py``)."""
+    _same_device(x, weight, bias)
     n, k, words, sbits, enc = _weight_views(weight)
     lead = x.shape[:-1]
     if (words.data_ptr() != weight.packed.data_ptr() or sbits.data_ptr() % 16 or enc.dtype != weight.global_enc.dtype
