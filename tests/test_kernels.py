@@ -1230,3 +1230,13 @@ def test_operands_on_another_device_are_refused_with_the_devices_named(tk):
         gm.linear_w4a4(x, w, 2.0, torch.zeros(32, device="meta"))
     with pytest.raises(ValueError, match="its weight on meta"):
         gm.linear_plan(x, elsewhere)
+
+
+@interpreted
+def test_a_bias_that_is_not_n_values_is_refused(tk):
+    _, gm = tk
+    w = nvfp4.quantize(torch.randn(32, 64))
+    x = torch.randn(2, 64).bfloat16()
+    for bad in (torch.zeros(31), torch.zeros(1), torch.zeros(2, 32)):
+        with pytest.raises(ValueError, match="bias of shape"):
+            gm.linear_w4a16(x, w, bad.bfloat16())

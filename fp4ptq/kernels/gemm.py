@@ -1926,13 +1926,16 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
 
 def _same_device(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor]) -> None:
     """The kernels read every operand where x is: a weight or bias elsewhere (another GPU, the CPU) would be
-    read through a pointer of the wrong device, so it is refused with the devices named."""
+    read through a pointer of the wrong device, so it is refused with the devices named; so is a bias that is
+    not N values (they read N from its pointer)."""
     where = x.device
     for name, t in (("weight", weight.packed), ("block scales", weight.block_scale), ("global scale", weight.global_enc),
                     ("bias", bias)):
         if t is not None and t.device != where:
             raise ValueError(f"NVFP4 layer: the activations are on {where}, its {name} on {t.device}; "
                              f"move them to one device")
+    if bias is not None and bias.shape != (weight.shape[0],):  # (the kernels read N values from its pointer)
+        raise ValueError(f"NVFP4 layer: a bias of shape {tuple(bias.shape)} for {weight.shape[0]} outputs")
 
 
 def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None, *,
