@@ -179,8 +179,8 @@ class NVFP4Linear(nn.Module):
             if input_amax is None:
                 raise ValueError("scheme 'w4a4' needs the calibrated input_amax")
             mod.input_global_scale.copy_(nvfp4.input_global_scale_from_amax(input_amax).reshape(1))
-        if bias is not None:
-            mod.bias.data = bias.detach().to(dtype).clone()
+        if bias is not None:  # (on the weight's device, as the other buffers)
+            mod.bias.data = bias.detach().to(device=weight.packed.device, dtype=dtype).clone()
         return mod
 
     def quantized_weight(self) -> NVFP4Tensor:

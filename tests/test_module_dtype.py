@@ -48,3 +48,13 @@ def test_device_moves_and_sharing_still_reach_the_format_buffers():
     assert q.weight_scale is scale
     q.to_empty(device="meta")
     assert q.weight_scale.device.type == "meta" and q.weight_scale.dtype == torch.float8_e4m3fn
+
+
+def test_from_quantized_puts_the_bias_on_the_weights_device():
+    """A bias given on the CPU for a weight elsewhere (the meta device stands in for a GPU) goes with the
+    weight; before, assigning it raised a bare "incompatible tensor type"."""
+    w = nvfp4.quantize(torch.randn(32, 64))
+    on_meta = nvfp4.NVFP4Tensor(w.packed.to("meta"), w.block_scale.to("meta"), w.global_enc.to("meta"), w.shape,
+                                w.dtype)
+    q = NVFP4Linear.from_quantized(on_meta, torch.randn(32))
+    assert q.bias.device.type == "meta" and q.weight_packed.device.type == "meta"
