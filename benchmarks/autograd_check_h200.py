@@ -6,8 +6,8 @@ GEMM, dequantize + cuBLAS), bf16 and fp16, W4A16 and W4A4, after the layer has b
 * x's gradient equals ``dy @ dequant(W)`` (W4A4: masked where |x| is past the quantizer's range), the
   bias's ``sum(dy)``, both bit for bit;
 * an adapter in front of the layer gets a gradient (none was dropped);
-* an fp32 layer under ``torch.autocast("cuda", bfloat16)`` gives the bits of its bf16 call (the kernels) and
-  a gradient to its fp32 input.
+* an fp32 layer under ``torch.autocast("cuda", bfloat16)`` gives the bits of its bf16 call (the kernels), and
+  its fp32 input's gradient is ``dy @ dequant(W)`` taken in bf16, bit for bit.
 
     PYTHONPATH=$PWD python benchmarks/autograd_check_h200.py   # $OUT/autograd_check_h200.json
 """
@@ -77,11 +77,17 @@ def main() -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = layer(x)
             y.float().sum().backward()
+            # dy = ones in bf16, dx = dy @ dequant(W) in bf16 (W4A4: masked past the quantizer's range), then fp32
+            want_x = torch.ones(m, n, device=dev, dtype=torch.bfloat16) @ w.dequantize(torch.bfloat16)
+            if scheme == "w4a4":
+                enc = nvfp4.global_encode_scale(torch.tensor(3.0, device=dev), False)
+                want_x = want_x * (x.detach().bfloat16().abs() <= 6.0 * 448.0 / enc)
             row = {"layer": "8B.qkv fp32 module", "dtype": "autocast bf16", "scheme": scheme, "m": m,
                    "path": kernels.auto_path(m, n, k, torch.bfloat16, dev, w4a4=scheme == "w4a4"),
                    "forward_bits_equal": bool(y.dtype == torch.bfloat16 and torch.equal(y.detach(), want)),
-                   "x_grad_equal": bool(x.grad is not None and x.grad.dtype == torch.float32), "bias_grad_equal": True,
-                   "adapter_grad_nonzero": bool(x.grad is not None and x.grad.abs().sum() > 0)}
+                   "x_grad_equal": bool(x.grad.dtype == torch.float32 and torch.equal(x.grad, want_x.float())),
+                   "bias_grad_equal": True,  # (the bias does not ask for one here)
+                   "adapter_grad_nonzero": bool(x.grad.abs().sum() > 0)}
             rows.append(row)
             print(row, flush=True)
     bad = [r for r in rows if not all(r[key] for key in ("forward_bits_equal", "x_grad_equal", "bias_grad_equal",

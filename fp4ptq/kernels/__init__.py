@@ -137,9 +137,10 @@ class _Linear(torch.autograd.Function):
         ctx.w4a4 = input_amax is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         if ctx.w4a4:
-            amax = input_amax if torch.is_tensor(input_amax) else torch.tensor(float(input_amax))
-            enc = nvfp4.global_encode_scale(amax.to(device=x.device, dtype=torch.float32), four_six is not None)
-            ctx.save_for_backward(x.abs() <= (6.0 * 448.0) / enc)
+            if ctx.needs_input_grad[0]:  # where the quantizer does not saturate: |x| <= FP4_MAX * FP8_MAX / enc
+                amax = input_amax if torch.is_tensor(input_amax) else torch.tensor(float(input_amax))
+                enc = nvfp4.global_encode_scale(amax.to(device=x.device, dtype=torch.float32), four_six is not None)
+                ctx.save_for_backward(x.abs() <= (nvfp4.FP4_MAX * nvfp4.FP8_MAX) / enc)
             return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
         return _w4a16(x, weight, bias, backend, decoded)
 

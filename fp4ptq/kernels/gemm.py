@@ -1656,8 +1656,7 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
         from . import mma
     except Exception as exc:  # noqa: BLE001 - Gluon missing or changed in this Triton
         return f"Triton's Gluon dialect is not usable here ({exc})"
-    reason = mma.ready(device)  # the GPU's support, compile and self-test: decided once per device
-    return reason if reason is not None else mma.dtype_reason(mma._index(device), dtype)
+    return mma.ready(device)  # the GPU's support (sm_80 on, bf16 and fp16), compile and self-test: once a device
 
 
 # K multiple each sm_90 Gluon kernel takes: wgmma.py's K steps go in pairs of 64; wsgemm.py's steps are 64
@@ -1924,7 +1923,7 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
     return y
 
 
-def _same_device(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor]) -> None:
+def _check_operands(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor]) -> None:
     """The kernels read every operand where x is: a weight or bias elsewhere (another GPU, the CPU) would be
     read through a pointer of the wrong device, so it is refused with the devices named; so is a bias that is
     not N values (they read N from its pointer)."""
@@ -1943,7 +1942,7 @@ def linear_w4a16(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tens
     """``x [..., K] @ dequant(weight).T + bias`` in x's dtype (bf16/fp16).
     ``path``: None (by shape), "gemv", "gemv4", "gemv5", "gemv6", "mma", "wgmma", "wsgemm", "gemm",
     "cublas" or "dot_scaled" (FP4 tensor cores, sm_100+); ``out``: [M, N]."""
-    _same_device(x, weight, bias)
+    _check_operands(x, weight, bias)
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), weight, bias, path=path, out=out)
     return y.reshape(*lead, y.shape[-1])
@@ -1957,7 +1956,7 @@ def linear_w4a4(x: torch.Tensor, weight: NVFP4Tensor, input_amax: torch.Tensor, 
     result by both global scales: exact NVFP4 x NVFP4 products, fp32 sums."""
     from . import dot_scaled  # (it imports this module's output scaling)
 
-    _same_device(x, weight, bias)
+    _check_operands(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not torch.is_tensor(input_amax):
@@ -2012,7 +2011,7 @@ def linear_plan(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tenso
     replay without Triton's binder from the plan's third call; it gives the dispatch's bits. Eager
     decoding calls every layer once a token with the same shapes: ``NVFP4Linear`` keeps its plans
     (``modules.py``)."""
-    _same_device(x, weight, bias)
+    _check_operands(x, weight, bias)
     n, k, words, sbits, enc = _weight_views(weight)
     lead = x.shape[:-1]
     if (words.data_ptr() != weight.packed.data_ptr() or sbits.data_ptr() % 16 or enc.dtype != weight.global_enc.dtype

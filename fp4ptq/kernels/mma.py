@@ -530,16 +530,6 @@ def aligned_operands(x2: torch.Tensor, sbits: torch.Tensor):
 _READY: dict = {}
 
 
-def dtype_reason(index: int, dtype: torch.dtype) -> Optional[str]:
-    """Why this GPU cannot decode for ``dtype`` activations (None when it can): the bf16 decode's
-    product is ``fma.rn.bf16x2`` (sm_80 on, as ``mma.sync`` itself), fp16's ``mul.rn.f16x2``; both
-    run on every GPU the kernel takes (``_device_reason``). Until session 30 the bf16 product was
-    ``mul.rn.bf16x2`` (sm_90 PTX), and bf16 took the tiled GEMM on sm_80-89."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"the mma path decodes for bf16 or fp16 activations, not {dtype}"
-    return None
-
-
 def product_check(fn, cases, device: torch.device) -> Optional[str]:
     """Run ``fn(x, words, sbits, enc, None, None, y)`` (a ``matmul`` of this module's or
     wgmma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
@@ -565,7 +555,7 @@ def _self_test(device: torch.device) -> Optional[str]:
     a shorter last K range."""
     cases = ((5, 200, 2048, torch.bfloat16), (40, 200, 1152, torch.bfloat16), (13, 200, 1024, torch.float16),
              (7, 200, 1664, torch.bfloat16))  # K ranges of 512, 512, 512 and 128
-    return product_check(matmul, [c for c in cases if dtype_reason(_index(device), c[3]) is None], device)
+    return product_check(matmul, cases, device)
 
 
 def _index(device: torch.device) -> int:
@@ -633,6 +623,6 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, "the Gluon tensor-core path")
 
 
-__all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "dtype_reason", "k_split", "launches", "matmul",
+__all__ = ["MAX_M", "config", "decide_once", "decode_line", "disable", "k_split", "launches", "matmul",
            "operands_aligned", "product_check", "programs", "ready", "run_once", "sm90_reason", "stop_using", "store_output",
            "supports"]
