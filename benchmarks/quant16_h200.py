@@ -10,7 +10,8 @@ computed per block against the per-program table (exactness on the adversarial d
 interleaved rounds at 16 x 4096 .. 8192 x 28672; TABLE_CHECK=0 skips the check, TABLE_CHECK_VARIANT
 checks another variant than "block", TABLE_DTYPE=fp16 and
 TABLE_SIZES=1024x4096,..., TABLE_VARIANTS=table,tablew,tabler,block (the table stored word- / row-major; table: as the rule) and
-TABLE_EMITS=packed:none,packed:mse change what is timed); "table_w4a4": W4A4 end to end with each
+TABLE_EMITS=packed:none,packed:mse change what is timed; variant "int": the shipped rules with bf16 counted by
+integer compares, the build of sm_80-89); "table_w4a4": W4A4 end to end with each
 (W4A4_SHAPES, W4A4_VARIANTS (w4a16: the W4A16 dispatch), ROUNDS); "tiny": 1-16 rows, and W4A4 at M = 1 / 2 / 16. "per_sm": the shipped programs per SM
 against 9 and 10 (all the SM holds of the standard kernel at 47 registers), 3 interleaved rounds.
 """
@@ -220,7 +221,8 @@ def variant(name):
     for key in ("FP4PTQ_QUANT16_TABLE", "FP4PTQ_QUANT16_PER_SM", "FP4PTQ_QUANT16_WORD_MAJOR"):
         os.environ.pop(key, None)
     qk.QUANT16_MIN_ROWS = DEFAULT_MIN
-    if name == "shipped":
+    qk.INT_COUNT = name == "int"  # the shipped rules, bf16 counted with integer compares (as below sm_90)
+    if name in ("shipped", "int"):
         return
     qk.QUANT16_MIN_ROWS = 0
     kind, _, per_sm = name.partition("@")

@@ -1,6 +1,7 @@
 """A small emulator of the inline PTX blocks of fp4ptq's kernels, for CPU tests: the dozen
 instructions they use, bit for bit (packed 16-bit float compares, adds, FMAs, maxes and products
-rounded like the hardware, integer shifts and masks, ``prmt``), on int64 tensors of 32-bit words."""
+rounded like the hardware, integer subtractions, shifts, masks and ``lop3``, ``prmt``), on int64
+tensors of 32-bit words."""
 from __future__ import annotations
 
 import torch
@@ -22,11 +23,28 @@ def _join(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """Default mode: selector nibble i picks byte ``nibble & 7`` of (a, b) for output byte i, or, with
+    the nibble's bit 3 set, that byte's sign bit replicated over the 8 bits."""
     pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     out = torch.zeros_like(a)
     for i in range(4):
-        out |= pool[(sel >> (4 * i)) & 7] << (8 * i)
+        nib = (sel >> (4 * i)) & 0xF
+        byte = pool[nib & 7]
+        if nib & 8:
+            byte = torch.where(byte >= 0x80, 0xFF, 0)
+        out |= byte << (8 * i)
     return out
+
+
+def _lop3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lut: int) -> torch.Tensor:
+    """Bit i of the result is bit (a_i << 2 | b_i << 1 | c_i) of ``lut`` (PTX ``lop3.b32``)."""
+    m = 0xFFFFFFFF
+    out = torch.zeros_like(a)
+    for idx in range(8):
+        if lut >> idx & 1:
+            term = (a if idx & 4 else ~a & m) & (b if idx & 2 else ~b & m) & (c if idx & 1 else ~c & m)
+            out |= term
+    return out & m
 
 
 def run_ptx(asm: str, *inputs: torch.Tensor) -> torch.Tensor:
@@ -60,6 +78,10 @@ def run_ptx_regs(asm: str, inputs: dict) -> dict:
             out = val(src[0]) & val(src[1])
         elif op == "or.b32":
             out = val(src[0]) | val(src[1])
+        elif op == "sub.u32":
+            out = (val(src[0]) - val(src[1])) & 0xFFFFFFFF
+        elif op == "lop3.b32":
+            out = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
         elif op == "shr.u32":
             out = val(src[0]) >> int(src[1])
         elif op == "shl.b32":

@@ -1,5 +1,5 @@
 """The kernels the dispatch launches on GPUs older than the H200 build there. Only the Hopper-only kernels
-(wgmma.py, wsgemm.py, the 16-bit quantize kernel's bf16 build) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
+(wgmma.py, wsgemm.py) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
 activations on an A100 (sm_80), an A10 / RTX 30 (sm_86) or an L40S / RTX 40 (sm_89) must compile for
 them. The PTX features these kernels use are the same from sm_80 to sm_89, so sm_80 stands for the
 three. Built here without a GPU (``compile_target``), each within the target's shared memory; the GEMV launches are the ones ``gemm._gemv6``
@@ -120,7 +120,8 @@ def test_bf16_gemv_calls_take_the_tiled_gemm_below_sm80(monkeypatch, capability)
 def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
     """The tiled GEMM (M = 3..64 where mma.py does not run, and above; M <= 2 too on sm_75, where it is
     built as well), the dequantize kernel (before cuBLAS), the split-K summing pass and the quantize
-    kernel the guard picks there (the fp32-compare one for bf16, the 16-bit one for fp16)."""
+    kernels (the 16-bit one, which counts bf16 with integer compares there, and the fp32-compare one of
+    fp32 inputs and 1-2 rows)."""
     dt = POINTER[dtype]
     gemm_types = {"x_ptr": dt, "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
                   "bias_ptr": dt, "y_ptr": dt}
@@ -139,21 +140,20 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
                 dict(SEGMENTS=4, HAS_BIAS=True, BLOCK=1024, PDL=False), arch=80, num_warps=4)
     monkeypatch.setattr(qk, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    sixteen = qk.quant16_supported(torch.device("cuda", 0), dtype)
-    assert sixteen == (dtype == torch.float16)
+    cuda = torch.device("cuda", 0)
+    assert qk.quant16_supported(cuda, dtype)
     for four_six in (0, 1):
-        if sixteen:
-            types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32",
-                     "packed_ptr": "*i32", "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
-            ce = dict(F16=True, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, ASM=True, BLOCK_M=1,
-                      BLOCKS_K=128, TABLE=False, WORD_MAJOR=False)
+        types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32",
+                 "packed_ptr": "*i32", "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
+        for table in (False, True):
+            ce = dict(F16=dtype == torch.float16, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True,
+                      ASM=qk._asm_kind(cuda, dtype), BLOCK_M=1, BLOCKS_K=128, TABLE=table, WORD_MAJOR=False)
             _build(qk._quantize16_kernel, types, ce, arch=80, divisible=("K", "stride_xw", "stride_sw"),
-                        num_warps=4, enable_fp_fusion=False)
-        else:
-            types = {"x_ptr": dt, "amax_ptr": "*fp32", "enc_ptr": "*fp32", "packed_ptr": "*i32", "scale_ptr": "*u8",
-                     "chose_ptr": "*i8", "scaled_ptr": dt}
-            ce = dict(FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, BLOCK_M=1, BLOCKS_K=32)
-            _build(qk._quantize_kernel, types, ce, arch=80, num_warps=4, enable_fp_fusion=False)
+                   num_warps=4, enable_fp_fusion=False)
+        types = {"x_ptr": dt, "amax_ptr": "*fp32", "enc_ptr": "*fp32", "packed_ptr": "*i32", "scale_ptr": "*u8",
+                 "chose_ptr": "*i8", "scaled_ptr": dt}
+        ce = dict(FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, BLOCK_M=1, BLOCKS_K=32)
+        _build(qk._quantize_kernel, types, ce, arch=80, num_warps=4, enable_fp_fusion=False)
 
 
 @pytest.mark.parametrize("asm", ["_X_PAIR_LOW", "_X_PAIR_HIGH"])

@@ -75,6 +75,28 @@ def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("step", STEPS + [0.0])
+def test_integer_count_ptx_equals_the_packed_compare_count(dtype, step):
+    """The integer-compare count (bf16 below sm_90) gives the packed float compares' count word on
+    every non-negative pattern: every finite one, +inf, and every NaN (0, as the float compare is false
+    there); step 0 stands for a zero scale (every threshold +inf)."""
+    f16 = dtype == torch.float16
+    p = torch.arange(0x8000, dtype=torch.int64)  # every pattern with the sign clear: inf and NaNs too
+    words = _pairs(p)
+    if step == 0.0:
+        inf = 0x7C00 if f16 else 0x7F80
+        ts = [torch.tensor(inf | (inf << 16), dtype=torch.int64)] * 7
+    else:
+        ts = _thresholds(step, dtype)
+    ts = [t.expand_as(words) for t in ts]
+    got = run_ptx(qk._count_int_asm(f16), words, *ts)
+    expect = run_ptx(qk._count_asm(f16), words, *ts)
+    assert torch.equal(got, expect)
+    nan = torch.isnan(_halves(words, dtype)[0])
+    assert nan.any() and torch.all((got[nan] & 7) == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_max8_ptx_is_the_block_max_pattern(dtype):
     g = torch.Generator().manual_seed(0)
     p = _all_patterns(dtype) & 0x7FFF
@@ -144,21 +166,49 @@ def test_kernel_compiles_for_sm90_to_packed_half_instructions(f16, four_six, tab
     assert len(re.findall(r"st\.global\.b32 ", ptx)) == 1
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("four_six", [0, 1])
+def test_integer_count_build_has_no_sm90_only_bf16_instructions(arch, four_six):
+    """bf16 with integer compares (``ASM`` 2) builds for sm_80 and sm_90 with no packed bf16 ``set``,
+    ``add`` or ``mul`` (sm_90 PTX), codes and the scaled W4A4 operand alike, without local memory."""
+    types = {"x_ptr": "*i32", "amax_ptr": "*fp32", "table_ptr": "*i32", "enc_ptr": "*fp32", "packed_ptr": "*i32",
+             "scale_ptr": "*u8", "chose_ptr": "*i8", "scaled_ptr": "*i32"}
+    for table in (False, True):
+        ce = dict(F16=False, FOUR_SIX=four_six, EMIT_PACKED=True, EMIT_SCALED=True, ASM=2, BLOCK_M=1, BLOCKS_K=128,
+                  TABLE=table, WORD_MAJOR=False)
+        ptx = compile_for(qk._quantize16_kernel, types, ce, arch=arch, divisible=("K", "stride_xw", "stride_sw"),
+                          num_warps=4, enable_fp_fusion=False).asm["ptx"]
+        assert not re.search(r"(set\.ge|add\.rn|mul\.rn)\.bf16x2", ptx)
+        assert "lop3.b32" in ptx and "fma.rn.bf16x2" in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
-    """bf16 needs sm_90 (packed bf16 set/add/mul), fp16 sm_80 (max.f16x2); never on ROCm or the
-    CPU outside the interpreter; the fp32-compare kernel takes those inputs instead."""
+    """sm_80 and later (max / fma on bf16x2 and f16x2), bf16 counting with integer compares below sm_90
+    (packed bf16 set / add are sm_90 PTX); never on ROCm or the CPU outside the interpreter; the
+    fp32-compare kernel takes those inputs instead."""
     monkeypatch.setattr(qk, "INTERPRET", False)
+    monkeypatch.setattr(qk, "INT_COUNT", False)
     cuda = torch.device("cuda", 0)
     caps = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps["cap"])
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     assert qk.quant16_supported(cuda, torch.bfloat16) and qk.quant16_supported(cuda, torch.float16)
-    caps["cap"] = (8, 9)
-    assert not qk.quant16_supported(cuda, torch.bfloat16) and qk.quant16_supported(cuda, torch.float16)
+    assert qk._asm_kind(cuda, torch.bfloat16) == 1 and qk._asm_kind(cuda, torch.float16) == 1
+    for cap in ((8, 0), (8, 6), (8, 9)):
+        caps["cap"] = cap
+        assert qk.quant16_supported(cuda, torch.bfloat16) and qk.quant16_supported(cuda, torch.float16)
+        assert qk._asm_kind(cuda, torch.bfloat16) == 2 and qk._asm_kind(cuda, torch.float16) == 1
     caps["cap"] = (7, 5)
-    assert not qk.quant16_supported(cuda, torch.float16)
+    assert not qk.quant16_supported(cuda, torch.float16) and not qk.quant16_supported(cuda, torch.bfloat16)
     caps["cap"] = (10, 0)
-    assert qk.quant16_supported(cuda, torch.bfloat16)
+    assert qk.quant16_supported(cuda, torch.bfloat16) and qk._asm_kind(cuda, torch.bfloat16) == 1
+    monkeypatch.setattr(qk, "INT_COUNT", True)  # FP4PTQ_QUANT16_INT_COUNT=1: integer compares on sm_90 too
+    caps["cap"] = (9, 0)
+    assert qk._asm_kind(cuda, torch.bfloat16) == 2 and qk._asm_kind(cuda, torch.float16) == 1
+    monkeypatch.setattr(qk, "INTERPRET", True)
+    assert qk._asm_kind(cuda, torch.bfloat16) == 0
+    monkeypatch.setattr(qk, "INTERPRET", False)
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     assert not qk.quant16_supported(cuda, torch.bfloat16)
     assert not qk.quant16_supported(torch.device("cpu"), torch.bfloat16)

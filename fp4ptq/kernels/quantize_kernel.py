@@ -29,11 +29,12 @@ correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
 Two kernels
 -----------
-bf16 / fp16 inputs of 3 rows and more (bf16 on sm_90, fp16 from sm_80) go to
+bf16 / fp16 inputs of 3 rows and more (from sm_80) go to
 ``_quantize16_kernel``: two elements a 32-bit register, compared with the seven
 thresholds of each block's scale rounded up to the 16-bit format (exact for
 16-bit inputs) and counted two at a time by packed instructions (inline PTX on
-the GPU; the same arithmetic in Triton under the interpreter). The thresholds
+the GPU: packed float compares, or integer ones for bf16 below sm_90; the same
+arithmetic in Triton under the interpreter). The thresholds
 come from a small per-program table of all scale codes on large inputs (codes
 of 64M elements and more, 16M under Four Over Six) and are computed per block
 otherwise (seven exact fp64 products read off as 16-bit patterns).
@@ -387,8 +388,9 @@ def _write_table(table_ptr, global_enc, F16: tl.constexpr, WORD_MAJOR: tl.conste
 
 
 # The 16-bit kernel's element work, on int32 words holding two 16-bit floats (element 2p in the low
-# half, 2p + 1 in the high half). Each helper is one inline-PTX block on the GPU (``ASM``) and the same
-# arithmetic spelled in Triton elsewhere (the interpreter cannot run PTX); tests check the two agree.
+# half, 2p + 1 in the high half). Each helper is one inline-PTX block on the GPU (``ASM`` 1; 2: the counts
+# from integer compares, ``_count_int_asm``) and the same arithmetic spelled in Triton elsewhere (``ASM`` 0:
+# the interpreter cannot run PTX); tests check they agree.
 def _count_asm(f16: bool) -> str:
     """``$0`` = per half ``base + #{i : $1 >= $(2+i)}`` (base 128 in bf16 / 1024 in fp16, whose low
     bits are then the count): seven packed compares (1.0 where true) summed by packed adds, exact."""
@@ -399,6 +401,34 @@ def _count_asm(f16: bool) -> str:
         lines.append(f"set.ge.{ty}.{ty} s, $1, ${i + 2}; add.rn.{ty} c, c, s;")
     lines += ["mov.b32 $0, c;", "}"]
     return "\n".join(lines)
+
+
+def _count_int_asm(f16: bool) -> str:
+    """The same count word as ``_count_asm`` from integer instructions only, for GPUs without packed bf16
+    compares (sm_80-89): non-negative floats order like their bit patterns, so ``a >= t`` is bit 15 of
+    ``(a | 0x8000) - t`` per half (``a`` has bit 15 clear and ``t`` is at most +inf, so no borrow
+    crosses the halves), and ``prmt`` spreads that bit over its half as a mask. Three compares walk
+    the seven sorted thresholds (t3, then t1 or t5, then t0 / t2 / t4 / t6) and ``lop3`` selects and
+    assembles the index; a NaN half counts 0, as the packed float compare (false for NaN) gives."""
+    base = "0x64006400" if f16 else "0x43004300"
+    nan = "0x7C017C01" if f16 else "0x7F817F81"
+    sel = "0xBB99"  # bytes 1, 1, 3, 3 with their sign replicated: bit 15 / 31 -> 0xFFFF in its half
+    return "\n".join([
+        "{", ".reg .b32 s, d, m3, mb, mc, mn, tb, th, tl, c, k, z;",
+        "mov.b32 z, 0; or.b32 s, $1, 0x80008000;",
+        f"sub.u32 d, s, $5; prmt.b32 m3, d, z, {sel};",                 # a >= t3
+        "lop3.b32 tb, m3, $7, $3, 0xCA;",                                # m3 ? t5 : t1
+        f"sub.u32 d, s, tb; prmt.b32 mb, d, z, {sel};",
+        "lop3.b32 th, mb, $8, $6, 0xCA; lop3.b32 tl, mb, $4, $2, 0xCA;",  # mb ? t6 : t4, mb ? t2 : t0
+        "lop3.b32 tb, m3, th, tl, 0xCA;",
+        f"sub.u32 d, s, tb; prmt.b32 mc, d, z, {sel};",
+        f"mov.b32 c, {base}; mov.b32 k, 0x00040004; lop3.b32 c, m3, k, c, 0xEA;",  # (m & k) | c
+        "mov.b32 k, 0x00020002; lop3.b32 c, mb, k, c, 0xEA;",
+        "mov.b32 k, 0x00010001; lop3.b32 c, mc, k, c, 0xEA;",
+        f"mov.b32 k, {nan}; sub.u32 d, s, k; prmt.b32 mn, d, z, {sel};",  # a NaN half: back to the base
+        f"mov.b32 k, {base}; lop3.b32 $0, c, mn, k, 0xB8;",              # (c & ~mn) | (base & mn)
+        "}",
+    ])
 
 
 def _value_asm(f16: bool) -> str:
@@ -447,13 +477,19 @@ def _max8_asm(f16: bool) -> str:
 
 def _scaled_asm(f16: bool) -> str:
     """``$0`` = ``v * scale`` per half (``$1`` the magnitudes, ``$2`` the scale in both halves; exact),
-    with the sign of the input word ``$3``."""
-    ty = "f16x2" if f16 else "bf16x2"
-    return f"{{ .reg .b32 a; mul.rn.{ty} a, $1, $2; and.b32 $0, $3, 0x80008000; or.b32 $0, $0, a; }}"
+    with the sign of the input word ``$3``. bf16 multiplies by an ``fma`` with a -0 addend (exactly the
+    product; ``mul.bf16x2`` is sm_90 PTX, the ``fma`` sm_80, and on sm_90 ptxas emits the same HMUL2)."""
+    if f16:
+        prod = "mul.rn.f16x2 a, $1, $2;"
+    else:
+        prod = "mov.b32 z, 0x80008000; fma.rn.bf16x2 a, $1, $2, z;"
+    return f"{{ .reg .b32 a, z; {prod} and.b32 $0, $3, 0x80008000; or.b32 $0, $0, a; }}"
 
 
 _COUNT_BF16 = tl.constexpr(_count_asm(False))
 _COUNT_F16 = tl.constexpr(_count_asm(True))
+_COUNT_INT_BF16 = tl.constexpr(_count_int_asm(False))
+_COUNT_INT_F16 = tl.constexpr(_count_int_asm(True))
 _VALUE_BF16 = tl.constexpr(_value_asm(False))
 _VALUE_F16 = tl.constexpr(_value_asm(True))
 _MAX8_BF16 = tl.constexpr(_max8_asm(False))
@@ -506,7 +542,9 @@ def _ptx8(a0, a1, a2, a3, a4, a5, a6, a7, PTX_BF16: tl.constexpr, PTX_F16: tl.co
 
 @triton.jit
 def _count(ax, t0, t1, t2, t3, t4, t5, t6, F16: tl.constexpr, ASM: tl.constexpr):
-    if ASM:
+    if ASM == 2:  # integer compares (bf16 below sm_90)
+        c = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _COUNT_INT_BF16, _COUNT_INT_F16, F16)
+    elif ASM:
         c = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _COUNT_BF16, _COUNT_F16, F16)
     else:
         lo, hi = _lanes(ax, F16)
@@ -935,15 +973,29 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quant16_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the 16-bit kernel's PTX runs on ``device``: packed bf16 compares, adds and products
-    need sm_90 (``set``/``add``/``mul`` on ``bf16x2``), the fp16 ones sm_80 (``max.f16x2``); NVIDIA
-    only (inline PTX). Under the interpreter its Triton twin runs anywhere."""
+    """Whether the 16-bit kernel's PTX runs on ``device``: sm_80 and later (``max`` / ``fma`` on
+    ``bf16x2`` and ``f16x2``; bf16's packed compares and adds, sm_90 PTX, are integer compares below
+    sm_90: ``_asm_kind``); NVIDIA only (inline PTX). Under the interpreter its Triton twin runs anywhere."""
     if INTERPRET:
         return True
     if device.type != "cuda" or getattr(torch.version, "hip", None):
         return False
-    need = (9, 0) if dtype == torch.bfloat16 else (8, 0)
-    return tuple(torch.cuda.get_device_capability(device)) >= need
+    return tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+
+
+# FP4PTQ_QUANT16_INT_COUNT=1 counts with integer compares on sm_90 as well (for comparisons on the H200)
+INT_COUNT = os.environ.get("FP4PTQ_QUANT16_INT_COUNT", "0") == "1"
+
+
+def _asm_kind(device: torch.device, dtype: torch.dtype) -> int:
+    """The 16-bit kernel's ``ASM``: 0 its Triton twin (the interpreter), 1 packed float compares, 2 the
+    integer compares of ``_count_int_asm`` (bf16 below sm_90, which has no packed bf16 ``set``/``add``)."""
+    if INTERPRET:
+        return 0
+    below_sm90 = device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) < (9, 0)
+    if dtype == torch.bfloat16 and (INT_COUNT or below_sm90):
+        return 2
+    return 1
 
 
 def _words(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -971,9 +1023,8 @@ def launch_quantize(
     global_enc)`` for the W4A4 GEMM.
 
     bf16 / fp16 inputs of 3 rows and more go to the 16-bit kernel (two elements a register,
-    thresholds per block or from a per-program table; bf16 on sm_90 and later, fp16 on sm_80 and
-    later); fp32 inputs, 1-2 rows, a scaled output in another dtype and older GPUs to the
-    fp32-compare one. Both give the reference's codes and scales. ``trigger``: see
+    thresholds per block or from a per-program table; sm_80 and later); fp32 inputs, 1-2 rows, a
+    scaled output in another dtype and older GPUs to the fp32-compare one. Both give the reference's codes and scales. ``trigger``: see
     ``quantize_launches`` (for W4A4's GEMM launched right after, as a programmatic dependent).
     """
     if emit not in EMITS:
@@ -1052,7 +1103,7 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
             grid = (_programs(dev, n_tiles, 8, 1),)
         kernel = _quantize16_kernel
         args = (words, amax, None, None, None, None, None, None, m, k, words.stride(0), sstride // 2, n_tiles, n_ktiles)
-        kwargs.update(F16=dtype == torch.float16, ASM=not INTERPRET, BLOCK_M=block_m, BLOCKS_K=blocks_k,
+        kwargs.update(F16=dtype == torch.float16, ASM=_asm_kind(dev, dtype), BLOCK_M=block_m, BLOCKS_K=blocks_k,
                       TABLE=use_table, WORD_MAJOR=use_table and _word_major(four_six), num_warps=warps)
         slots = (0, 1, 2, 3, 4, 5, 6, 7)  # words, amax, table, enc, and the four outputs (enc where one is not written)
     else:
