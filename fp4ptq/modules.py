@@ -346,7 +346,7 @@ class NVFP4Linear(nn.Module):
                 return self.forward(x.to(torch.get_autocast_dtype(x.device.type)))
         fused = self._fused
         bias = self.bias
-        grad = (x.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled()
+        grad = kernels.needs_grad(x, bias)
         if torch.compiler.is_compiling() and not grad:
             if fused is not None:
                 y = fused[0].traced_output(fused[1], x)  # one op for the group (fp4ptq/fusion.py)

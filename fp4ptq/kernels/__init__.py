@@ -118,7 +118,8 @@ def quantize(
 Decoder = Callable[[torch.dtype], torch.Tensor]
 
 
-def _needs_grad(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def needs_grad(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a layer call must keep autograd's graph: x or the bias asks for a gradient (``_Linear``)."""
     return (x.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled()
 
 
@@ -169,7 +170,7 @@ def linear_w4a16(
 
     decoded: optional ``dtype -> weight.dequantize(dtype)`` (e.g. a cache); only
              the reference path calls it, the Triton kernels read the packed weight."""
-    if _needs_grad(x, bias):
+    if needs_grad(x, bias):
         return _Linear.apply(x, bias, weight, None, None, backend, decoded)
     return _w4a16(x, weight, bias, backend, decoded)
 
@@ -234,7 +235,7 @@ def linear_w4a4(
     Four Over Six if asked), then ``y = dequant(xq) @ dequant(weight).T + bias``.
     ``decoded`` as in ``linear_w4a16`` (called with fp32). Differentiable in x (a clipped
     straight-through estimator for the activation quantizer) and bias (``_Linear``)."""
-    if _needs_grad(x, bias):
+    if needs_grad(x, bias):
         return _Linear.apply(x, bias, weight, input_amax, four_six, backend, decoded)
     return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
 
@@ -254,4 +255,5 @@ def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "quantize", "triton_unavailable_reason"]
+__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "needs_grad", "quantize",
+           "triton_unavailable_reason"]

@@ -1024,8 +1024,9 @@ def launch_quantize(
 
     bf16 / fp16 inputs of 3 rows and more go to the 16-bit kernel (two elements a register,
     thresholds per block or from a per-program table; sm_80 and later); fp32 inputs, 1-2 rows, a
-    scaled output in another dtype and older GPUs to the fp32-compare one. Both give the reference's codes and scales. ``trigger``: see
-    ``quantize_launches`` (for W4A4's GEMM launched right after, as a programmatic dependent).
+    scaled output in another dtype and older GPUs to the fp32-compare one. Both give the reference's
+    codes and scales. ``trigger``: see ``quantize_launches`` (for W4A4's GEMM launched right after, as a
+    programmatic dependent).
     """
     if emit not in EMITS:
         raise ValueError(f"emit must be one of {EMITS}, got {emit!r}")
