@@ -34,6 +34,8 @@ from fp4ptq.eval.perplexity import load_corpus, perplexity
 from fp4ptq.eval.report import write_atomic
 from fp4ptq.sources import load_source_model
 
+import harness
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 
@@ -292,11 +294,7 @@ RULE_COLORS = {None: "tab:gray", "mse": "tab:blue", "mae": "tab:green", "max": "
 def plot(report: dict, path: Path) -> None:
     """One panel per scheme: a group of bars per method (one bar per 4/6 rule),
     then the tagged variants; the full-precision perplexity as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     res = report["results"]
     names = [n for n in _order(report) if n != "fp"]
     if not names:

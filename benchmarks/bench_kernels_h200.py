@@ -23,35 +23,23 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 
-SHAPES = {  # name: (N out, K in), Llama-3.1 linear layers
-    "8B.qkv": (6144, 4096),
-    "8B.o": (4096, 4096),
-    "8B.gate_up": (28672, 4096),
-    "8B.down": (4096, 14336),
-    "70B.gate_up": (57344, 8192),
-    "70B.down": (8192, 28672),
-}
+import harness
+from harness import LLAMA_LAYERS as SHAPES
+from harness import rel as _rel
+
 MS = (1, 16, 128, 1024, 8192)
 TARGET_MS = (1, 16, 1024, 8192)  # the rows the targets read, re-timed in ROUNDS interleaved rounds
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 QUANT_SHAPES = ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672))
+CHECK_PATHS = ("gemv6", "mma", "gemm")  # forced paths checked on every code and on an odd shape
 
 
 # --------------------------------------------------------------------------- #
 # GPU run
 # --------------------------------------------------------------------------- #
-def _rel(y, ref):
-    import torch
-
-    if not torch.isfinite(y).all():
-        return float("nan")
-    return float((y.float() - ref).norm() / ref.norm())
-
-
 def correctness(res, gm, qk):
     import torch
 
@@ -87,7 +75,7 @@ def correctness(res, gm, qk):
     xa = torch.randn(16, 256, device=dev, generator=g)
     ref = xa @ w.dequantize(torch.float32).T
     for dt in (torch.bfloat16, torch.float16):
-        for path in ("gemv", "gemv4", "gemv5", "gemv6", "mma", "gemm"):
+        for path in CHECK_PATHS:
             if path in ("gemv6", "mma") and dt != torch.bfloat16:
                 continue
             for rows in ((1,) if path.startswith("gemv") else (1, 16)):
@@ -101,7 +89,7 @@ def correctness(res, gm, qk):
     xb = torch.randn(16, 2112, device=dev, generator=g)
     bias = torch.randn(1000, device=dev, generator=g).bfloat16()
     refb = xb @ wq.dequantize(torch.float32).T + bias.float()
-    for path in ("gemv4", "gemv5", "gemv6", "mma", "gemm"):
+    for path in CHECK_PATHS:
         for rows in ((1, 2) if path.startswith("gemv") else (7, 16)):
             try:
                 out[f"odd_shape.{path}[M={rows}]"] = _rel(gm.linear_w4a16(xb[:rows].bfloat16(), wq, bias, path=path),
@@ -113,11 +101,6 @@ def correctness(res, gm, qk):
                     xh @ wq.dequantize(torch.float32).T + bias.float())
             except Exception as e:  # noqa: BLE001
                 out[f"odd_shape.{path}[M={rows}]"] = f"FAILED {e!r}"[:300]
-    saved = gm.BF16_DIRECT
-    for direct in (False, True):
-        gm.BF16_DIRECT = direct
-        out[f"all_codes.gemm[bf16, BF16_DIRECT={direct}]"] = _rel(gm.linear_w4a16(xa.bfloat16(), w, path="gemm"), ref)
-    gm.BF16_DIRECT = saved
     res["correctness"] = out
     print(json.dumps(out, indent=1), flush=True)
 
@@ -125,21 +108,16 @@ def correctness(res, gm, qk):
 def main_gpu():
     import torch
 
-    sys.path.insert(0, os.environ.get("PEERS_DIR", ".peers"))
-    import peers_h200 as peers
+    peers = harness.peers()
 
     from fp4ptq import nvfp4
     from fp4ptq.kernels import gemm as gm
     from fp4ptq.kernels import quantize_kernel as qk
 
-    out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("BUDGET_S", 480))
     t0 = time.time()
-    res = {"env": peers.env(), "rows": [], "quant_rows": [], "sweeps": []}
-
-    def save():
-        with open(os.path.join(out_dir, "kernels_h200.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    res = {"env": peers.env(), "rows": [], "quant_rows": []}
+    save, _ = harness.recorder(res, harness.out_path("kernels_h200.json"))
 
     res["copy_TBps"] = peers.copy_bw()
     res["bf16_TFLOPs_8192"] = peers.bf16_peak()
@@ -159,130 +137,7 @@ def main_gpu():
     dev = "cuda"
     torch.manual_seed(0)
 
-    # ---- config sweeps where the targets are tight (M = 1 GEMVs, M = 16 skinny GEMM) ----
-    # Each path's configs are timed on a narrow (N <= 8192) and a wide layer
-    # pair; the config with the best mean time relative to the best of its
-    # class is used for that class in the main table.
-    sweep_shapes = os.environ.get("SWEEP", "8B.o,8B.down,8B.gate_up,70B.gate_up").split(",")
-    # GEMV configs: (BLOCK_N, BLOCK_B, num_warps, PREFETCH)
-    gemv4_cfgs = [(8, 128, 4, 1), (16, 64, 2, 1), (8, 64, 2, 1)]
-    gemv5_cfgs = [(8, 128, 4, 1), (16, 128, 4, 1), (16, 64, 2, 1), (8, 64, 2, 1), (8, 256, 8, 1), (4, 128, 4, 1),
-                  (16, 64, 2, 0), (8, 128, 4, 0)]
-    # tiled GEMM at M = 16: (BM, BN, BK, GROUP_M, warps, stages, SWAP_AB, BF16_DIRECT)
-    gemm16_cfgs = [(16, 64, 256, 1, 4, 4, 0, 0), (16, 64, 256, 1, 4, 4, 0, 1), (16, 64, 128, 1, 4, 4, 0, 1),
-                   (16, 128, 128, 1, 4, 3, 0, 1), (16, 64, 256, 1, 4, 3, 0, 1), (16, 32, 256, 1, 2, 4, 0, 1)]
-    getters = {"gemv4": "_gemv4_config", "gemv5": "_gemv5_config", "gemv": "_gemv_config", "gemm": "_gemm_config"}
-    orig = {g: getattr(gm, g) for g in set(getters.values())}
-    orig_direct = gm.BF16_DIRECT
-    plan = [(1, "gemv4", gemv4_cfgs), (1, "gemv5", gemv5_cfgs), (16, "gemm", gemm16_cfgs)]
-    for name in sweep_shapes if sweep_shapes != [""] else []:
-        n, k = SHAPES[name]
-        wq = nvfp4.quantize(torch.randn(n, k, device=dev) * 0.02)
-        for m, path, cfgs in plan:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = x.float() @ wq.dequantize(torch.float32).T
-            for cfg in cfgs:
-                if time.time() - t0 > budget * 0.5:
-                    break
-                if path == "gemm":
-                    gm.BF16_DIRECT = bool(cfg[7])
-                setattr(gm, getters[path], lambda *a, c=cfg: c[:7] if path == "gemm" else c)
-                try:
-                    err = _rel(gm.linear_w4a16(x, wq, path=path), ref)
-                    ms = peers.bench(lambda: gm.linear_w4a16(x, wq, path=path))
-                    byt = n * k * (0.5 + 1 / 16) + 2 * m * k + 2 * m * n
-                    res["sweeps"].append({"shape": name, "M": m, "path": path, "cfg": cfg, "ms": ms,
-                                          "TBps": byt / (ms * 1e-3) / 1e12, "rel_err": err})
-                    print(f"sweep {name} M={m} {path} {cfg} {ms*1e3:.1f}us {byt/(ms*1e-3)/1e12:.2f}TB/s err {err:.1e}",
-                          flush=True)
-                except Exception as e:  # noqa: BLE001
-                    res["sweeps"].append({"shape": name, "M": m, "path": path, "cfg": cfg, "error": repr(e)[:300]})
-                    print(f"sweep {name} M={m} {path} {cfg} FAILED {e!r}"[:400], flush=True)
-            setattr(gm, getters[path], orig[getters[path]])
-            gm.BF16_DIRECT = orig_direct
-        del wq
-        save()
-
-    def wide(name):
-        return SHAPES[name][0] >= 16384
-
-    chosen = {}  # (M, path, wide) -> cfg
-    for m, path, _ in plan:
-        for cls in (False, True):
-            rows_ = [r for r in res["sweeps"] if r["M"] == m and r["path"] == path and "ms" in r
-                     and r["rel_err"] < 1e-2 and wide(r["shape"]) == cls]
-            shapes_ = {r["shape"] for r in rows_}
-            best_of = {sh: min(r["ms"] for r in rows_ if r["shape"] == sh) for sh in shapes_}
-            agg = {}
-            for r in rows_:
-                agg.setdefault(tuple(r["cfg"]), []).append(r["ms"] / best_of[r["shape"]])
-            full = [c for c in agg if len(agg[c]) == len(shapes_)]
-            if full:
-                chosen[(m, path, cls)] = min(full, key=lambda c: sum(agg[c]))
-    res["chosen_configs"] = {f"M={m},{p},{'wide' if c else 'narrow'}": list(v) for (m, p, c), v in chosen.items()}
-
-    def by_class(m_key, path, fallback):
-        def cfg(m, n, k):
-            c = chosen.get((m_key, path, n >= 16384))
-            return c if c is not None else fallback(m, n, k)
-        return cfg
-
-    gm._gemv4_config = by_class(1, "gemv4", orig["_gemv4_config"])
-    gm._gemv5_config = by_class(1, "gemv5", orig["_gemv5_config"])
-    g16 = {cls: chosen.get((16, "gemm", cls)) for cls in (False, True)}
-    if g16[False] or g16[True]:
-        gm._gemm_config = lambda m, n, k, f=orig["_gemm_config"]: (
-            g16[n >= 16384][:7] if m <= 16 and g16[n >= 16384] else f(m, n, k))
-        # BF16_DIRECT is one switch for the tiled GEMM: on if the chosen M = 16 configs use it
-        gm.BF16_DIRECT = all(bool(c[7]) for c in g16.values() if c)
-    res["chosen_configs"]["BF16_DIRECT"] = gm.BF16_DIRECT
-    # the faster GEMV for M = 1 (mean time relative to the best per shape) becomes the dispatch's
-    mean = {}
-    for path in ("gemv4", "gemv5"):
-        ts = [min(r["ms"] for r in res["sweeps"] if r["shape"] == sh and r["M"] == 1 and r["path"] == path
-                  and "ms" in r and r["rel_err"] < 1e-2) for sh in sweep_shapes
-              if any(r["shape"] == sh and r["M"] == 1 and r["path"] == path and "ms" in r and r["rel_err"] < 1e-2
-                     for r in res["sweeps"])]
-        if len(ts) == len(sweep_shapes) and ts:
-            mean[path] = sum(ts)
-    if mean:
-        gm.GEMV_PATH = min(mean, key=mean.get)
-    res["chosen_configs"]["GEMV_PATH"] = gm.GEMV_PATH
-    print("chosen", res["chosen_configs"], flush=True)
-    save()
-
-    # ---- quantize kernel tiles ----
     phases = os.environ.get("PHASES", "quant").split(",")
-    orig_tile = qk._tile
-    for m, k in ((8192, 4096), (8192, 14336)) if "quant_tiles" in phases else ():
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        amax = x.float().abs().amax()
-        for tile in ((8, 32, 4), (16, 32, 4), (32, 32, 4), (32, 32, 8), (16, 64, 8), (64, 16, 8), (4, 64, 4),
-                     (2, 128, 4), (64, 32, 8)):
-            qk._tile = lambda *a, c=tile: c
-            for rule in (None, "mse"):
-                try:
-                    ms = peers.bench(lambda: qk.launch_quantize(x, amax, rule))
-                    byt = 2 * m * k + m * k / 2 + m * k / 16
-                    res["sweeps"].append({"shape": f"quant{m}x{k}", "M": m, "path": f"quantize[{rule}]",
-                                          "cfg": tile, "ms": ms, "TBps": byt / (ms * 1e-3) / 1e12, "rel_err": 0.0})
-                    print(f"sweep quantize {m}x{k} {rule} {tile} {ms*1e3:.1f}us {byt/(ms*1e-3)/1e12:.2f}TB/s",
-                          flush=True)
-                except Exception as e:  # noqa: BLE001
-                    res["sweeps"].append({"shape": f"quant{m}x{k}", "path": f"quantize[{rule}]", "cfg": tile,
-                                          "error": repr(e)[:300]})
-        qk._tile = orig_tile
-    qbest = {}
-    for r in res["sweeps"]:
-        if r["path"].startswith("quantize") and "ms" in r:
-            qbest.setdefault(r["path"], {}).setdefault(tuple(r["cfg"]), []).append(r["ms"])
-    for rule_path, agg in qbest.items():
-        res["chosen_configs"][rule_path] = list(min(agg, key=lambda c: sum(agg[c])))
-    if "quantize[None]" in res["chosen_configs"]:
-        std, fs = res["chosen_configs"]["quantize[None]"], res["chosen_configs"].get("quantize[mse]")
-        qk._tile = lambda m, k, s=tuple(std), f=orig_tile: s if m * k >= (1 << 20) else f(m, k)
-    print("chosen", res["chosen_configs"], flush=True)
-    save()
 
     # ---- main table ----
     table_ms = [int(v) for v in os.environ.get("TABLE_MS", ",".join(map(str, MS))).split(",")]
@@ -307,8 +162,6 @@ def main_gpu():
             amax = x.float().abs().amax() * 0.9  # a static activation amax (some saturation)
             ours = {"ours_w4a16": lambda x=x: gm.linear_w4a16(x, wq)}
             if m <= 2:
-                for p_ in ("gemv4", "gemv5", "gemv6"):
-                    ours[f"ours_w4a16_{p_}"] = lambda x=x, p_=p_: gm.linear_w4a16(x, wq, path=p_)
                 ours["ours_w4a4_mse"] = lambda x=x: gm.linear_w4a4(x, wq, amax, four_six="mse")
             if m < 1024:  # (runs 1-9: 0.27-0.41x cuBLAS from M = 1024; slow to time at M = 8192)
                 ours["ours_w4a16_gemm"] = lambda x=x: gm.linear_w4a16(x, wq, path="gemm")
@@ -573,14 +426,8 @@ def report(path):
     if failed:
         lines += ["Errors:", ""] + [f"- {r.get('shape')} M={r.get('M')} {r['impl']}: {r['error'][:160]}"
                                     for r in failed] + [""]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    harness.write_text(base + ".md", "\n".join(lines))
+    plt = harness.pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), sharex=True)
     for ax, name in zip(axes.flat, SHAPES):
         for impl in ("tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a4"):

@@ -34,6 +34,8 @@ import fp4ptq
 from fp4ptq import checkpoint
 from fp4ptq.modules import NVFP4Linear
 
+import harness
+
 # Llama-3.1-8B's shapes (random weights), and a tiny stand-in with the same structure.
 SHAPES = {
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -209,7 +211,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"checkpoint_{name}_{device.type}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_json(str(stem.with_suffix(".json")), result)
     gb = 1e9
     rows = [
         ("bf16 model (bytes)", f"{bf16_bytes / gb:.3f} GB" + ("" if args.model == "smollm2" else " (params x 2)")),
@@ -229,9 +231,9 @@ def main() -> None:
         rows.append((f"WikiText-2 ppl ({p['windows']} x {p['seqlen']} tokens)",
                      f"in memory {p['in_memory']:.4f}, loaded {p['loaded']:.4f}, equal: {p['equal']}"))
     title = f"Checkpoint: {name} on {device}" + (f" ({result['gpu']})" if "gpu" in result else "")
-    table = [f"# {title}", "", "| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "",
+    table = [f"# {title}", "", *harness.md_table(["measure", "value"], rows), "",
              "Load times are warm-cache (the files were just written).", ""]
-    stem.with_suffix(".md").write_text("\n".join(table))
+    harness.write_text(str(stem.with_suffix(".md")), "\n".join(table))
     print("\n".join(table))
 
 

@@ -16,7 +16,8 @@ Per model and batch size:
   * COMPILE=1 (B = 1, COMPILE_SCHEMES): the decode step through ``torch.compile(mode="reduce-overhead")``,
     which works because NVFP4Linear is one custom op to Dynamo (no graph breaks at the layers).
 
-    PYTHONPATH=$PWD:$PWD/.peers python benchmarks/e2e_decode_h200.py   # $OUT/e2e_decode_h200.json
+    PYTHONPATH=$PWD python benchmarks/e2e_decode_h200.py   # $OUT/e2e_decode_h200.{json,md}
+    TINY=1 PYTHONPATH=$PWD python benchmarks/e2e_decode_h200.py   # on a CPU: checks the script in ~1 min
 
 Knobs: BATCHES (default 1,16), PROMPT (512), STEPS (128 timed graph replays), SCHEMES
 (bf16,w4a16,w4a4; "w4a16+fused" / "w4a4+fused": q/k/v and gate/up fused, ``fp4ptq.fuse_projections``), COMPILE (0), LAYERS (32; fewer for a quick check), TINY=1 (a 2-layer
@@ -29,7 +30,6 @@ import contextlib
 import copy
 import functools
 import gc
-import json
 import os
 import time
 import traceback
@@ -37,10 +37,11 @@ import traceback
 import torch
 
 import fp4ptq
+import harness
 from fp4ptq import QuantConfig
 from fp4ptq.modules import NVFP4Linear
+from harness import rel
 
-OUT = os.environ.get("OUT", "/tmp")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1,16").split(",")]
 PROMPT = int(os.environ.get("PROMPT", 512))
 STEPS = int(os.environ.get("STEPS", 128))
@@ -67,7 +68,7 @@ def env() -> dict:
 
     return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "sizes": SIZES,
-            "model_dtype": str(MODEL_DTYPE), "gemv_path": os.environ.get("FP4PTQ_GEMV_PATH", "gemv6")}
+            "model_dtype": str(MODEL_DTYPE)}
 
 
 def build_model():
@@ -136,10 +137,6 @@ class Decoder:
         logits = self.model(input_ids=self.tok, past_key_values=self.cache, use_cache=True).logits
         self.logits.copy_(logits[:, -1])
         self.tok.copy_(logits[:, -1:].argmax(-1))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def capture_step(d: Decoder) -> "torch.cuda.CUDAGraph":
@@ -356,11 +353,7 @@ def quantized(base, scheme: str):
 
 def main():
     res = {"env": env(), "prompt": PROMPT, "steps": STEPS, "models": []}
-    path = os.path.join(OUT, "e2e_decode_h200.json")
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
+    save, _ = harness.recorder(res, harness.out_path("e2e_decode_h200.json"))
 
     t0 = time.time()
     base = build_model()
@@ -389,6 +382,7 @@ def main():
             print(entry["scheme"], "compiled", {k: v for k, v in entry["compiled_b1"].items() if k != "traceback"},
                   flush=True)
             save()
+    harness.write_text(harness.out_path("e2e_decode_h200.md"), report(res) + "\n")
     print(report(res))
 
 

@@ -19,19 +19,16 @@ one GEMM a group, ``fp4ptq.fuse_projections``, its logits compared with the unfu
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import time
 
+import e2e_decode_h200 as e2e
+import harness
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_decode_h200 as e2e  # noqa: E402
-from fp4ptq import modules  # noqa: E402
+from fp4ptq import modules
 
-OUT = os.environ.get("OUT", "/tmp")
 PROMPT = int(os.environ.get("PROMPT", 512))
 NEW = int(os.environ.get("NEW", 64))
 ROUNDS = int(os.environ.get("ROUNDS", 5))
@@ -123,8 +120,7 @@ def main():
             row["logits_equal_plans_off"] = logits_check(models[scheme], ids)
         res["rows"].append(row)
         print({k: v for k, v in row.items() if k != "decode_tokens_per_s_rounds"}, flush=True)
-    with open(os.path.join(OUT, "eager_generate_h200.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    harness.write_json(harness.out_path("eager_generate_h200.json"), res)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import fp4ptq
 from fp4ptq import QuantConfig
 from fp4ptq.models import set_module
 
+import harness
+
 # Llama-3.1-8B's published sizes (config.json of meta-llama/Llama-3.1-8B).
 LLAMA31_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -116,10 +118,7 @@ def main(argv=None) -> int:
         "runs": {},
     }
 
-    def save() -> None:
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out_path)
+    save, _ = harness.recorder(result, str(out_path))
 
     t0 = time.perf_counter()
     base = build_model(sizes, torch.bfloat16, seed=0, fill_device=device)

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-SHAPES = {"8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
-          "70B.gate_up": (57344, 8192), "70B.down": (8192, 28672)}
+import harness
+from harness import LLAMA_LAYERS as SHAPES
+
 # the M = 1 targets: share of copy bandwidth (70B 80%, 8B 70%); M = 16: 2.5x cuBLAS bf16
 M1_TARGET = {name: (0.8 if name.startswith("70B") else 0.7) for name in SHAPES}
 M16_TARGET = 2.5
@@ -67,15 +68,14 @@ def xor_all(t: torch.Tensor) -> int:
 
 
 def main() -> None:
-    import peers_h200 as peers
     from fp4ptq import nvfp4
     from fp4ptq.kernels import linear_w4a16
 
     dev = torch.device("cuda")
-    out_dir = os.environ.get("OUT", ".")
     rounds = int(os.environ.get("ROUNDS", "3"))
     t0 = time.time()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    peers = harness.peers()
     res = {"env": peers.env(), "copy_TBps": peers.copy_bw(), "layers": []}
     copy = res["copy_TBps"]
     print(f"copy {copy:.2f} TB/s", flush=True)
@@ -92,7 +92,7 @@ def main() -> None:
             got = read_xor(buf, cfg, sms, scratch)
             if xor_all(got) != want:
                 raise AssertionError(f"{name} {cfg}: the read kernel's XOR differs from numpy's")
-            us = peers.bench(lambda: read_xor(buf, cfg, sms, scratch)) * 1e3
+            us = harness.graph_us(lambda: read_xor(buf, cfg, sms, scratch))
             rows.append({"cfg": cfg, "us": us})
         rows.sort(key=lambda r: r["us"])
         print(name, "best", [(r["cfg"], round(r["us"], 2)) for r in rows[:4]], flush=True)
@@ -108,7 +108,7 @@ def main() -> None:
         times: dict = {}
         for _ in range(rounds):
             for label, fn in cands.items():
-                times.setdefault(label, []).append(peers.bench(fn) * 1e3)
+                times.setdefault(label, []).append(harness.graph_us(fn))
         med = {a: statistics.median(b) for a, b in times.items()}
         floor = min(v for a, v in med.items() if a.startswith("read") or a == "torch_sum_f32")
         pct = lambda us: 100 * byt / (us * 1e-6) / 1e12 / copy  # noqa: E731
@@ -123,8 +123,7 @@ def main() -> None:
         print(json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()
                           if a not in ("sweep", "all_us", "median_us")}), flush=True)
         print("  medians", {a: round(b, 2) for a, b in med.items()}, flush=True)
-        with open(os.path.join(out_dir, "read_floor_h200.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        harness.write_json(harness.out_path("read_floor_h200.json"), res)
         cands.clear()  # the closures hold this layer's tensors
         torch.cuda.empty_cache()
     print("total s", round(time.time() - t0, 1))

@@ -25,10 +25,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch  # noqa: E402
+import harness
+import torch
 
-OUT = os.environ.get("OUT", "/tmp")
+OUT = os.environ.get("OUT", ".")
 GGUF = os.environ.get("GGUF", ".gguf/SmolLM2-135M-Instruct.Q4_1.gguf")
 DATA = os.environ.get("DATA_DIR", ".evaldata")
 RECIPES = {
@@ -164,10 +164,8 @@ def main():
                     torch.cuda.empty_cache()
             row["in_process"] = ways
         res["recipes"][name] = row
-        with open(os.path.join(OUT, "smollm2_gpu_eval_h200.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    with open(os.path.join(OUT, "smollm2_gpu_eval_h200.md"), "w") as f:
-        f.write(report(res))
+        harness.write_json(harness.out_path("smollm2_gpu_eval_h200.json"), res)
+    harness.write_text(harness.out_path("smollm2_gpu_eval_h200.md"), report(res))
     print(report(res))
 
 

@@ -1,16 +1,24 @@
-"""The results reports of the benchmark scripts that run on any machine (benchmarks/model_zoo_report.py)."""
+"""The parts of the benchmark scripts that run on any machine: the reports they write from a results file."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "model_zoo_report.py"
-_spec = importlib.util.spec_from_file_location("model_zoo_report", _PATH)
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def _row(model, layer, m, path, ours, n=4608, k=3584):
@@ -19,13 +27,14 @@ def _row(model, layer, m, path, ours, n=4608, k=3584):
             "w4a4_rel_err": 1.6e-3}
 
 
-def test_model_zoo_report_merges_files_and_compares_with_an_earlier_run(tmp_path, capsys):
+def test_model_zoo_report_merges_files_and_compares_with_an_earlier_run(tmp_path, capsys, bench_module):
+    report = bench_module("model_zoo_h200")
     first = tmp_path / "a.json"
     first.write_text(json.dumps({"rows": [_row("Qwen2-7B", "qkv", 128, "wgmma", 26.9),
                                           _row("Qwen2-7B", "o", 128, "wgmma", 20.8, 3584, 3584)]}))
     later = tmp_path / "b.json"
     later.write_text(json.dumps({"rows": [_row("Qwen2-7B", "qkv", 128, "wsgemm", 18.7)]}))
-    assert report.main([str(first), str(later), "--before", str(first)]) == 0
+    assert report.main(["--report", str(first), str(later), "--before", str(first)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| model | layer | N x K | M |") and "ours / before" in lines[0]
     assert len(lines) == 4  # header, rule, the two rows (the later file's qkv row replaces the first's)
@@ -33,10 +42,23 @@ def test_model_zoo_report_merges_files_and_compares_with_an_earlier_run(tmp_path
     assert lines[2].endswith("| wgmma | 26.9 | 0.70 |") and lines[3].endswith("| wgmma | 20.8 | 1.00 |")
 
 
-def test_model_zoo_report_names_a_file_it_cannot_use(tmp_path):
+def test_model_zoo_report_names_a_file_it_cannot_use(tmp_path, bench_module):
+    report = bench_module("model_zoo_h200")
     bad = tmp_path / "kernels.json"
     bad.write_text(json.dumps({"table": []}))
     with pytest.raises(SystemExit, match="kernels.json is not a model_zoo_h200.py results file"):
-        report.main([str(bad)])
+        report.main(["--report", str(bad)])
     with pytest.raises(SystemExit, match="cannot read"):
-        report.main([str(tmp_path / "missing.json")])
+        report.main(["--report", str(tmp_path / "missing.json")])
+
+
+def test_kernel_table_report_rebuilds_the_committed_table(tmp_path, bench_module):
+    """``bench_kernels_h200.py --report`` on the committed run gives the committed markdown, byte for byte
+    (the README's kernel table is read from it), and draws its figure."""
+    pytest.importorskip("matplotlib")
+    kernels = bench_module("bench_kernels_h200")
+    for name in ("kernels_h200.json", "read_floor_h200.json"):
+        shutil.copy(BENCH / "results" / name, tmp_path / name)
+    kernels.report(str(tmp_path / "kernels_h200.json"))
+    assert (tmp_path / "kernels_h200.md").read_text() == (BENCH / "results" / "kernels_h200.md").read_text()
+    assert (tmp_path / "kernels_h200_speedup.png").stat().st_size > 10_000
