@@ -62,3 +62,26 @@ def test_kernel_table_report_rebuilds_the_committed_table(tmp_path, bench_module
     kernels.report(str(tmp_path / "kernels_h200.json"))
     assert (tmp_path / "kernels_h200.md").read_text() == (BENCH / "results" / "kernels_h200.md").read_text()
     assert (tmp_path / "kernels_h200_speedup.png").stat().st_size > 10_000
+
+
+def test_harness_records_rows_atomically_and_names_a_missing_peers_dir(tmp_path, monkeypatch, capsys, bench_module):
+    import torch
+
+    harness = bench_module("harness")
+    res: dict = {"env": {}}
+    save, record = harness.recorder(res, str(tmp_path / "out" / "run.json"))
+    record("rows", {"shape": "8B.o", "us": 5.8123})
+    record("rows", {"shape": "8B.qkv", "us": 7.0})
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["rows"][0] == {"shape": "8B.o", "us": 5.8123}
+    assert '"us": 5.812' in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["run.json"]  # no temporary file left
+    assert harness.md_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
+    assert harness.rel(torch.tensor([1.0, float("nan")]), torch.ones(2)) != harness.rel(torch.ones(2), torch.ones(2))
+    assert harness.rel(torch.ones(2), torch.ones(2)) == 0.0
+    monkeypatch.setenv("MS", "1,16,")
+    assert harness.env_list("MS", "8", int) == [1, 16]
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.delitem(sys.modules, "peers_h200", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # peers() puts PEERS_DIR on it
+    with pytest.raises(SystemExit, match="peers_h200.py not found in PEERS_DIR="):
+        harness.peers()
