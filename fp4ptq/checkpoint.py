@@ -121,7 +121,11 @@ def nvfp4_layers(model: nn.Module) -> dict:
 
 
 def _high_precision_linears(model: nn.Module) -> list:
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """Linears kept in high precision, and the MoE routers (engines must not quantize them either)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    high = (getattr(model, "fp4ptq_info", None) or {}).get("high_precision") or {}
+    names += [n for n, reason in high.items() if "router" in str(reason) and n not in names]
+    return names
 
 
 def _act_four_six(layers: dict):
@@ -201,6 +205,16 @@ def unshared_fused_scales(model: nn.Module) -> Optional[list]:
     architecture has no table (nothing could be checked)."""
     from .models import UnsupportedArchitecture, arch_spec, decoder_blocks
 
+    recorded = (getattr(model, "fp4ptq_info", None) or {}).get("fused_groups")
+    if recorded is not None:   # the sets discovery found when the model was quantized
+        problems = []
+        for names in recorded:
+            modules = [model.get_submodule(n) for n in names]
+            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
+            if quantized and (len(quantized) != len(modules) or any(
+                    not torch.equal(m.weight_global_scale, quantized[0].weight_global_scale) for m in quantized)):
+                problems.append("{" + ", ".join(names) + "}")
+        return problems
     try:
         spec = arch_spec(model)
     except UnsupportedArchitecture:
@@ -419,6 +433,45 @@ def _base_report(model: nn.Module, layers: dict) -> dict:
     }
 
 
+def _original_names(model: nn.Module, tensors: dict, quantization_config: dict) -> tuple:
+    """Tensors (and ``ignore`` entries) under the names of the model type's original
+    checkpoints, as transformers' ``save_pretrained`` writes them (``fp4ptq.models.checkpoint_names``)."""
+    from .models import checkpoint_names
+
+    names = checkpoint_names(model, tensors)
+    if all(k == v for k, v in names.items()):
+        return tensors, quantization_config
+    ignore = quantization_config.get("ignore")
+    if ignore:
+        renamed = checkpoint_names(model, [f"{n}.weight" for n in ignore])
+        quantization_config = {**quantization_config,
+                               "ignore": [renamed[f"{n}.weight"].removesuffix(".weight") for n in ignore]}
+    return {names[k]: v for k, v in tensors.items()}, quantization_config
+
+
+def module_names(model: nn.Module, headers: dict, qcfg) -> tuple:
+    """The inverse of ``_original_names`` for loading: ``headers`` and ``qcfg``'s ``ignore``
+    under the model's module names (only where transformers renames for the model type)."""
+    from .models import checkpoint_names
+
+    names = checkpoint_names(model, model.state_dict())
+    inverse = {v: k for k, v in names.items() if k != v}
+    if not inverse:
+        return headers, qcfg
+
+    def rename(key: str) -> str:
+        for suffix in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+            if key.endswith("." + suffix):
+                base = inverse.get(key.removesuffix(suffix) + "weight")
+                return base.removesuffix("weight") + suffix if base else key
+        return inverse.get(key, key)
+
+    headers = {rename(k): v for k, v in headers.items()}
+    if isinstance(qcfg, dict) and qcfg.get("ignore"):
+        qcfg = {**qcfg, "ignore": [rename(f"{n}.weight").removesuffix(".weight") for n in qcfg["ignore"]]}
+    return headers, qcfg
+
+
 def save(
     model: nn.Module,
     path: str | Path,
@@ -463,6 +516,7 @@ def save(
     else:
         quantization_config = compressed_tensors_config(model)
         tensors = state
+    tensors, quantization_config = _original_names(model, tensors, quantization_config)
     config = _config_dict(model, quantization_config, layers, dtype)
 
     with atomic_directory(path, overwrite) as directory:
@@ -742,7 +796,11 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     try:
         config = AutoConfig.from_pretrained(path)
         with init_empty_weights(include_buffers=False):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        from .experts import linearize_model
+
+        linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
+        return model
     except (ValueError, KeyError) as exc:
         import transformers
 
@@ -780,17 +838,24 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
     headers = read_headers(files)
     act_four_six = (config_dict.get(FP4PTQ_KEY) or {}).get("act_four_six")
     model = _skeleton(path, dtype)
-    plan = plan_layers(model, config_dict.get("quantization_config"), headers, act_four_six, where)
+    file_names = {}
+    headers_by_module, qcfg = module_names(model, headers, config_dict.get("quantization_config"))
+    if headers_by_module is not headers:
+        file_names = {m: f for m, f in zip(headers_by_module, headers)}
+        headers = headers_by_module
+    plan = plan_layers(model, qcfg, headers, act_four_six, where)
     swap_in_nvfp4(model, plan, dtype)
     check_tensors(model, headers, where)
+    from_file = {f: m for m, f in file_names.items()}
 
     expected = model.state_dict()
     state = {}
     for file in tqdm(files, desc="Loading shards", disable=len(files) < 2):
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as handle:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
+                for file_key in handle.keys():
+                    tensor = handle.get_tensor(file_key)
+                    name = from_file.get(file_key, file_key)
                     want = expected[name].dtype
                     state[name] = tensor if tensor.dtype == want else tensor.to(want)
         except SafetensorError as exc:

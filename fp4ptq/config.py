@@ -18,6 +18,7 @@ METHODS = ("rtn", "gptq", "awq", "smoothquant", "awq+gptq", "smoothquant+gptq")
 SCHEMES = ("w4a16", "w4a4")
 HUB_CALIB_SOURCES = ("wikitext2", "c4", "pile")
 GPTQ_SCALE_CHOICES = ("loop", "once")
+MOE_CALIB = ("all", "routed")
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,10 @@ class QuantConfig:
     smoothquant_alphas on the calibration loss).
     search_nsamples: calibration sequences the AWQ/SmoothQuant searches run
     their block-output objective on (statistics use all ``nsamples``).
+
+    Mixture-of-Experts: moe_calib ("all": every expert computes its statistics
+    and Hessians on every calibration token, while the block's output follows
+    the real routing; "routed": each expert only on the tokens routed to it).
     """
 
     method: str = "rtn"
@@ -77,6 +82,7 @@ class QuantConfig:
     smoothquant_alpha: Optional[float] = None
     smoothquant_alphas: tuple = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     search_nsamples: int = 16
+    moe_calib: str = "all"
 
     def __post_init__(self) -> None:
         # Lists (e.g. from JSON) become tuples so the frozen config stays hashable.
@@ -90,6 +96,7 @@ class QuantConfig:
         if self.four_six is not None:
             _choice("four_six", self.four_six, FOUR_SIX_RULES, extra=" or None")
         _choice("gptq_scale_choice", self.gptq_scale_choice, GPTQ_SCALE_CHOICES)
+        _choice("moe_calib", self.moe_calib, MOE_CALIB)
         if not all(isinstance(p, str) and p for p in self.ignore):
             raise ConfigError(f"QuantConfig.ignore must hold non-empty strings, got {self.ignore!r}")
         for p in self.ignore:

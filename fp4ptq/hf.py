@@ -89,11 +89,22 @@ class FP4PTQHfQuantizer(HfQuantizer):
         else:   # config given as an object: use the parsed one
             qcfg = self.quantization_config.quantization_config.model_dump()
         act_four_six = (getattr(model.config, checkpoint.FP4PTQ_KEY, None) or {}).get("act_four_six")
+        from .experts import linearize_model
+
+        linearize_model(model, device="meta")   # MoE experts as saved: one linear per expert projection
+        headers, qcfg = checkpoint.module_names(model, headers, qcfg)
         plan = checkpoint.plan_layers(model, qcfg, headers, act_four_six, where)
         checkpoint.swap_in_nvfp4(model, plan, dtype or model.dtype)
         checkpoint.check_tensors(model, headers, where)
         self._report = checkpoint.read_report(directory)
         return model
+
+    def update_weight_conversions(self, weight_conversions, model):
+        """Keep transformers' renamings, drop its merges of per-expert tensors into 3-D
+        experts: the experts stay one linear per projection here (``fp4ptq.experts``)."""
+        from transformers.core_model_loading import WeightConverter
+
+        return [c for c in weight_conversions if not isinstance(c, WeightConverter)]
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         model.fp4ptq_info = self._report

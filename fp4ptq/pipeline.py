@@ -35,7 +35,7 @@ from .config import QuantConfig
 from .methods import awq, smoothing, smoothquant
 from .methods.gptq import gptq, hessian_update
 from .methods.rtn import rtn
-from .models import ArchSpec, InputGroup, arch_spec, decoder_blocks, set_module
+from .models import InputGroup, set_module
 from .modules import NVFP4Linear
 from .nvfp4 import BLOCK_SIZE, NVFP4Error, NVFP4Tensor
 
@@ -222,22 +222,69 @@ def run_block(block: nn.Module, hidden: list, call: tuple, *, replace: bool) -> 
 # --------------------------------------------------------------------------- #
 # Transforms (AWQ / SmoothQuant)
 # --------------------------------------------------------------------------- #
+@dataclass
+class InspectCall:
+    """How a group's ``inspect`` module was called: its arguments besides the input
+    tensor, and where that tensor went (``position`` in args, or ``keyword``)."""
+
+    args: tuple
+    kwargs: dict
+    position: Optional[int] = 0
+    keyword: Optional[str] = None
+
+    def __call__(self, module: nn.Module, x: torch.Tensor):
+        args, kwargs = list(self.args), dict(self.kwargs)
+        if self.keyword is not None:
+            kwargs[self.keyword] = x
+        else:
+            args.insert(self.position, x)
+        return _first(module(*args, **kwargs))
+
+
+def _record_call(store: dict, key):
+    def hook(module, args, kwargs):
+        if key in store:
+            return
+        if args and isinstance(args[0], torch.Tensor):
+            store[key] = InspectCall(tuple(args[1:]), dict(kwargs), 0)
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            store[key] = InspectCall(tuple(args), rest, None, "hidden_states")
+    return hook
+
+
 @torch.no_grad()
 def smooth_group(
-    block: nn.Module, group: InputGroup, stats: InputStats, config: QuantConfig, call: tuple
+    block: nn.Module, group: InputGroup, stats: InputStats, config: QuantConfig, call, members: Optional[list] = None,
 ) -> dict:
     """Search the group's smoothing scales (AWQ ratio or SmoothQuant alpha) on
-    the block-output error of ``group.inspect`` over ``stats.samples``, fold
-    them, and rescale ``stats``. Returns what was chosen (for the report)."""
+    the output error of ``group.inspect`` over ``stats.samples``, fold them into
+    ``group.prev`` (and the compensation into every reader, routers included),
+    and rescale ``stats``. ``call``: how ``inspect`` is called (an ``InspectCall``,
+    or the block's ``(args, kwargs)`` for a table group). ``members``: the linears
+    that will be quantized (default: all). Returns what was chosen (for the report)."""
+    if group.prev is None:
+        return {"skipped": group.why or "no module to fold the scales into"}
+    if group.inspect is None or call is None:
+        return {"skipped": "no module takes exactly this input, so there is no output to compare"}
     prev = block.get_submodule(group.prev)
     linears = [block.get_submodule(n) for n in group.linears]
-    if not all(type(lin) is nn.Linear for lin in linears) or not smoothing.can_fold(prev, linears):
+    readers = linears + [block.get_submodule(n) for n in group.readers]
+    quantized = [block.get_submodule(n) for n in (group.linears if members is None else members)]
+    if not all(type(lin) is nn.Linear for lin in linears) or not smoothing.can_fold(prev, readers):
         return {"skipped": "scales cannot be folded (channel counts differ, e.g. grouped-query v -> o)"}
-    inspect = block.get_submodule(group.inspect)
-    args, kwargs = call
+    if not quantized:
+        return {"skipped": "every linear of the group stays in high precision"}
+    inspect = block.get_submodule(group.inspect) if group.inspect else block
 
-    def run(x):
-        return _first(inspect(x, **kwargs) if group.inspect_kwargs else inspect(x))
+    if isinstance(call, InspectCall):
+        def run(x):
+            return call(inspect, x)
+    else:
+        args, kwargs = call
+
+        def run(x):
+            return _first(inspect(x, **kwargs) if group.inspect_kwargs else inspect(x))
 
     batches = [batch for _, _, batch in _batches(stats.samples)]
     reference = [run(x).float() for x in batches]
@@ -245,7 +292,7 @@ def smooth_group(
 
     def loss(s: torch.Tensor) -> float:
         act_amax = (stats.absmax / s).max() if config.scheme == "w4a4" else None
-        with smoothing.simulated_quantized(linears, s, four_six=config.four_six, act_amax=act_amax):
+        with smoothing.simulated_quantized(quantized, s, four_six=config.four_six, act_amax=act_amax):
             return sum(float((run(x).float() - r).pow(2).sum()) for x, r in zip(batches, reference)) / count
 
     identity = torch.ones_like(stats.absmax)
@@ -254,7 +301,7 @@ def smooth_group(
         record = {"awq_ratio": key}
     else:
         alphas = config.smoothquant_alphas if config.smoothquant_alpha is None else (config.smoothquant_alpha,)
-        w_absmax = smoothquant.weight_channel_absmax(linears)
+        w_absmax = smoothquant.weight_channel_absmax(quantized)
         candidates = list(smoothquant.smoothquant_candidates(stats.absmax, w_absmax, alphas))
         if config.smoothquant_alpha is None:
             candidates.append((None, identity))  # the search may also decline to smooth
@@ -263,8 +310,12 @@ def smooth_group(
     record["loss"] = losses[key]
     record["loss_unsmoothed"] = losses.get(0.0 if config.transform == "awq" else None)
     if key is not None and not torch.equal(s, identity):
-        smoothing.fold_scales(prev, linears, s)
+        smoothing.fold_scales(prev, readers, s, kind=group.fold or "auto")
         stats.rescale(s)
+        record["folded_into"] = group.prev
+        if group.readers:
+            record["compensated"] = list(group.readers)
+        record["scales"] = s   # the caller rescales what else it holds of this input (expert inputs)
     return record
 
 
@@ -290,34 +341,49 @@ def _clip_tokens(samples: list) -> torch.Tensor:
 @torch.no_grad()
 def quantize_group(
     block: nn.Module,
-    spec: ArchSpec,
+    spec,
     group: InputGroup,
     members: list,
     stats: Optional[InputStats],
     config: QuantConfig,
     prefix: str,
+    *,
+    rtn_only: bool = False,
 ) -> dict:
-    """Round the group's quantizable linears ``members`` (names), swap them for
-    ``NVFP4Linear``; returns their ``fp4ptq_info["layers"]`` entries."""
+    """Round the quantizable linears ``members`` (names) of one input group and
+    swap them for ``NVFP4Linear``: each set of ``group.rounding_sets()`` shares one
+    weight global scale (one GPTQ over its stacked rows). Returns their
+    ``fp4ptq_info["layers"]`` entries. ``rtn_only``: RTN whatever the method (no data)."""
+    entries = {}
+    chosen = set(members)
+    for names in group.rounding_sets():
+        names = [n for n in names if n in chosen]
+        if names:
+            entries.update(_round_set(block, spec, names, len(names) > 1, stats, config, prefix, rtn_only))
+    return entries
+
+
+def _round_set(block, spec, members, fused, stats, config, prefix, rtn_only) -> dict:
     linears = [block.get_submodule(n) for n in members]
     originals = [lin.weight.detach().float().clone() for lin in linears]
-    # One global scale per fused group, fixed before clipping and rounding.
-    shared = smoothing.group_weight_amax(linears) if group.fused else None
-    amaxes = [shared if group.fused else nvfp4.tensor_amax(w) for w in originals]
+    # One global scale per fused set, fixed before clipping and rounding.
+    shared = smoothing.group_weight_amax(linears) if fused else None
+    amaxes = [shared if fused else nvfp4.tensor_amax(w) for w in originals]
     weights = list(originals)
-    if config.transform == "awq" and config.awq_clip and stats is not None and stats.samples:
+    no_clip = getattr(spec, "no_clip", ()) or ()
+    if config.transform == "awq" and config.awq_clip and stats is not None and stats.samples and not rtn_only:
         x = _clip_tokens(stats.samples)
         for i, name in enumerate(members):
-            if name not in spec.no_clip:
+            if name not in no_clip and not name.endswith(("q_proj", "k_proj")):
                 weights[i] = awq.awq_clip(weights[i], x, four_six=config.four_six, amax=amaxes[i])
 
     names = [_join(prefix, n) for n in members]
-    if config.rounding == "gptq":
+    if config.rounding == "gptq" and not rtn_only and stats is not None and stats.hessian is not None:
         gptq_kwargs = dict(
             four_six=config.four_six, damp=config.gptq_damp, block_size=config.gptq_block_size,
             act_order=config.gptq_act_order, scale_choice=config.gptq_scale_choice,
         )
-        if group.fused:  # same input, same Hessian, same global scale: one GPTQ over stacked rows
+        if fused:  # same input, same Hessian, same global scale: one GPTQ over stacked rows
             q_all = gptq(torch.cat(weights), stats.hessian, amax=shared, name=" + ".join(names), **gptq_kwargs)
             bounds = torch.tensor([0] + [w.shape[0] for w in weights]).cumsum(0).tolist()
             qs = [_rows(q_all, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -348,20 +414,27 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _split_quantizable(block: nn.Module, group: InputGroup, config: QuantConfig, prefix: str, high: dict) -> list:
-    """The group's linears to quantize; the others go to ``high`` with the reason."""
-    members = []
+    """The group's linears to quantize; the others go to ``high`` with the reason.
+    A fused set (one weight global scale in engines) is quantized whole or not at all."""
+    kept = {}
     for name in group.linears:
         full, lin = _join(prefix, name), block.get_submodule(name)
         if config.is_ignored(full):
-            high[full] = "ignored by QuantConfig.ignore"
+            kept[name] = "ignored by QuantConfig.ignore"
         elif not isinstance(lin, nn.Linear):
-            high[full] = f"not an nn.Linear ({type(lin).__name__})"
+            kept[name] = f"not an nn.Linear ({type(lin).__name__})"
         elif lin.in_features % BLOCK_SIZE:
-            high[full] = f"in_features={lin.in_features} is not a multiple of {BLOCK_SIZE}"
-            warnings.warn(f"fp4ptq: keeping {full} in high precision: {high[full]}", stacklevel=3)
-        else:
-            members.append(name)
-    return members
+            kept[name] = f"in_features={lin.in_features} is not a multiple of {BLOCK_SIZE}"
+            warnings.warn(f"fp4ptq: keeping {full} in high precision: {kept[name]}", stacklevel=3)
+    for fused in group.rounding_sets():
+        held = [n for n in fused if n in kept]
+        if held and len(fused) > 1:
+            for n in fused:
+                kept.setdefault(n, f"fused with {held[0].rsplit('.', 1)[-1]} (kept in high precision), and engines "
+                                   "run a fused set with one weight scale")
+    for name, reason in kept.items():
+        high[_join(prefix, name)] = reason
+    return [n for n in group.linears if n not in kept]
 
 
 # --------------------------------------------------------------------------- #
@@ -380,6 +453,20 @@ def _check_calib(calib, model) -> torch.LongTensor:
                                f"got range [{int(calib.min()) if calib.numel() else '-'}, "
                                f"{int(calib.max()) if calib.numel() else '-'}]")
     return calib
+
+
+# Tokens of the synthetic sequence that shows discovery the blocks' structure when
+# no calibration data is needed (RTN W4A16).
+PROBE_TOKENS = 16
+
+
+def _peak_memory(device: torch.device) -> dict:
+    import resource
+
+    peak = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        peak["device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return peak
 
 
 @torch.no_grad()
@@ -401,16 +488,25 @@ def quantize(
                the device: only one block is on ``device`` at a time).
     progress:  tqdm bar over the decoder blocks.
 
+    Any decoder-only model: the blocks, their linears, the input groups and their
+    producers are found from the model (``fp4ptq.models``); Mixture-of-Experts
+    expert tensors become one linear per expert projection (``fp4ptq.experts``).
     Quantized ``nn.Linear``s become ``NVFP4Linear``; ``model.fp4ptq_info``
-    records the config, calibration and per-layer errors.
+    records the config, calibration, per-layer errors and every tensor kept in
+    high precision with the reason.
     """
     from tqdm.auto import tqdm
 
+    from .experts import LinearExperts, linearize_model
+    from .models import ARCHITECTURES, check_against_table, check_decoder_only, discover_block, find_blocks
+
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be an fp4ptq.QuantConfig, got {type(config).__name__}")
+    check_decoder_only(model)
     started = time.perf_counter()
-    spec = arch_spec(model)
-    blocks = decoder_blocks(model, spec)
+    high = {name: reason for name, reason in linearize_model(model).items()}
+    layers_path, blocks = find_blocks(model)
+    spec = ARCHITECTURES.get(getattr(model.config, "model_type", None))
     model.eval()
 
     calibration = {"source": None, "nsamples": 0, "seqlen": 0, "seed": None}
@@ -427,31 +523,53 @@ def quantize(
     elif calib is not None:
         calib = _check_calib(calib, model)
         calibration = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1], "seed": None}
+    if calib is not None and config.needs_calibration:
+        calibration["moe_calib"] = config.moe_calib if any(isinstance(m, LinearExperts) for m in model.modules()) else None
 
-    block_prefix = spec.layers
     home = next(model.parameters()).device
     device = torch.device(device) if device is not None else home
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     use_data = calib is not None and config.needs_calibration
 
-    inputs = None  # without data (RTN W4A16) no block is ever run
+    # Block inputs: the calibration data's, or (no data needed) a short synthetic
+    # sequence that only shows discovery each block's structure.
     if use_data:
         inputs = capture_block_inputs(model, blocks, calib)
         inputs.hidden = [h.to(device) for h in inputs.hidden]
+        probe_inputs = None
+    else:
+        vocab = model.get_input_embeddings().weight.shape[0]
+        synthetic = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0)
+        probe_inputs = capture_block_inputs(model, blocks, synthetic)
+        inputs = None
 
-    layers, high, smoothing_info = {}, {}, {}
+    layers, smoothing_info, groups_info = {}, {}, {}
     bar = tqdm(range(len(blocks)), desc=f"fp4ptq {config.method} {config.scheme}", disable=not progress, unit="block")
     for index in bar:
         block = blocks[index]
         block_home = next(block.parameters()).device
         block.to(device)
-        quantize_block(block, spec, config, f"{block_prefix}.{index}", inputs, index, device,
-                       layers=layers, high=high, smoothing_info=smoothing_info)
+        prefix = f"{layers_path}.{index}"
+        source = inputs if use_data else probe_inputs
+        call = _to_device(source.calls[index], device)
+        hidden = source.hidden[0].to(device)
+        plan = discover_block(block, hidden, call, probe=config.transform is not None)
+        if spec is not None and layers_path == spec.layers:
+            check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
+        for name, reason in plan.high.items():
+            high[_join(prefix, name)] = reason
+        groups_info[prefix] = [{"linears": list(g.linears), "prev": g.prev, "fold": g.fold, "why": g.why,
+                                "fused": [list(f) for f in g.fused_sets], "readers": list(g.readers)}
+                               for g in plan.groups]
+        quantize_block(block, plan, config, prefix, inputs, index, device,
+                       layers=layers, high=high, smoothing_info=smoothing_info, spec=spec)
         block.to(block_home)
 
-    layers.update(_quantize_head(model, spec, config, inputs, device, high, use_data))
+    layers.update(_quantize_head(model, layers_path, config, inputs, device, high, use_data))
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and name not in high and not name.startswith(block_prefix + "."):
-            high[name] = "outside the decoder blocks and not the LM head (no table entry in fp4ptq/models.py)"
+        if type(module) is nn.Linear and name not in high and not name.startswith(layers_path + "."):
+            high[name] = "outside the decoder blocks and not the LM head"
 
     model.fp4ptq_info = {
         "fp4ptq_version": __version__,
@@ -460,6 +578,8 @@ def quantize(
         "layers": layers,
         "high_precision": high,
         "smoothing": smoothing_info,
+        "fused_groups": [[_join(p, n) for n in f] for p, gs in groups_info.items() for g in gs for f in g["fused"]],
+        "peak_memory": _peak_memory(device),
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
     return model
@@ -467,70 +587,201 @@ def quantize(
 
 @torch.no_grad()
 def quantize_block(
-    block: nn.Module, spec: ArchSpec, config: QuantConfig, prefix: str, inputs: Optional[BlockInputs],
-    index: int, device: torch.device, *, layers: dict, high: dict, smoothing_info: dict,
+    block: nn.Module, plan, config: QuantConfig, prefix: str, inputs: Optional[BlockInputs],
+    index: int, device: torch.device, *, layers: dict, high: dict, smoothing_info: dict, spec=None,
 ) -> None:
-    """One decoder block (already on ``device``): statistics -> transforms ->
-    rounding -> swap, then (with data) its quantized outputs replace
-    ``inputs.hidden`` for the next block. Fills the three report dicts."""
-    members = {g: _split_quantizable(block, g, config, prefix, high) for g in spec.groups}
-    stats = dict.fromkeys(spec.groups)
+    """One decoder block (already on ``device``) with its discovered ``plan``:
+    statistics -> transforms -> rounding -> swap (experts streamed one at a time),
+    then (with data) its quantized outputs replace ``inputs.hidden`` for the next
+    block. Fills the three report dicts."""
+    from .experts import LinearExperts
+
+    experts = {name: block.get_submodule(name) for name in plan.experts}
+
+    def expert_of(name: str):
+        return next((e for e in experts if name.startswith(e + ".")), None)
+
+    members = {g: _split_quantizable(block, g, config, prefix, high) for g in plan.groups}
+    dense = {g: [n for n in members[g] if expert_of(n) is None] for g in plan.groups}
+    expert_groups = [g for g in plan.groups if any(expert_of(n) for n in g.linears)]
+    stats = dict.fromkeys(plan.groups)
+    captured = {name: [] for name in experts}   # per experts module: its (x, top_k_index, top_k_weights) calls
+    calls: dict = {}
     if inputs is not None:
         call = _to_device(inputs.calls[index], device)
         keep = config.search_nsamples if config.transform else 0
-        with collect_input_stats(
-            block, spec.groups, prefix, hessian=config.rounding == "gptq", keep_samples=keep
-        ) as stats_list:
+        handles = []
+        try:
+            stats_list = []
+            for g in plan.groups:
+                if all(expert_of(n) for n in g.linears) and g.inspect is not None and expert_of(g.inspect or ""):
+                    stats_list.append(None)   # one expert's down: its statistics come in the expert stream
+                    continue
+                hook_name = g.inspect if g.inspect is not None else next(iter(dense[g] or g.linears))
+                module = block.get_submodule(hook_name) if hook_name else block
+                others = ", ".join(n.rsplit(".", 1)[-1] for n in g.linears[1:4])
+                st = InputStats(_join(prefix, g.linears[0]) + (f" (input shared with {others})" if others else ""),
+                                keep_samples=keep, hessian_wanted=config.rounding == "gptq")
+                handles.append(module.register_forward_pre_hook(_stats_pre_hook(st), with_kwargs=True))
+                if config.transform and g.inspect is not None:
+                    handles.append(module.register_forward_pre_hook(_record_call(calls, g), with_kwargs=True))
+                stats_list.append(st)
+            for name, module in experts.items():
+                handles.append(module.register_forward_pre_hook(_capture_experts(captured[name]), with_kwargs=True))
             run_block(block, inputs.hidden, call, replace=False)
-        stats = dict(zip(spec.groups, stats_list))
+        finally:
+            for h in handles:
+                h.remove()
+        stats = dict(zip(plan.groups, stats_list))
         if config.transform:
-            for group in spec.groups:
-                smoothing_info[f"{prefix}.{group.linears[0]}"] = smooth_group(block, group, stats[group], config, call)
-    for group in spec.groups:
-        if members[group]:
-            layers.update(quantize_group(block, spec, group, members[group], stats[group], config, prefix))
+            for g in plan.groups:
+                if stats[g] is None:
+                    continue
+                record = smooth_group(block, g, stats[g], config, calls.get(g), members[g])
+                scales = record.pop("scales", None)
+                if scales is not None and g in expert_groups:
+                    for name in experts:
+                        captured[name] = [(x / scales.to(x.dtype), i, w) for x, i, w in captured[name]]
+                smoothing_info[_join(prefix, g.linears[0])] = record
+        elif any(g.why for g in plan.groups):
+            pass
+    for g in plan.groups:
+        if config.transform and inputs is None and g.why:
+            smoothing_info[_join(prefix, g.linears[0])] = {"skipped": g.why}
+        if dense[g]:
+            layers.update(quantize_group(block, spec, g, dense[g], stats[g], config, prefix))
+    for name, module in experts.items():
+        shared = [g for g in expert_groups if any(expert_of(n) == name and not n.endswith(_down(module)) for n in g.linears)]
+        layers.update(_quantize_experts(block, name, module, plan, shared[0] if shared else None,
+                                        stats.get(shared[0]) if shared else None, members, captured[name],
+                                        config, prefix, high, smoothing_info))
+        captured[name] = None
     if inputs is not None:
-        stats = stats_list = None  # free the Hessians and search samples before the next pass
+        stats = None  # free the Hessians and search samples before the next pass
         run_block(block, inputs.hidden, call, replace=True)
-    _record_stray_linears(block, spec, prefix, high)
 
 
-def _record_stray_linears(block: nn.Module, spec: ArchSpec, prefix: str, high: dict) -> None:
-    """Linears inside a block that the architecture table does not name stay in high precision."""
-    known = set(spec.linear_names())
-    for name, module in block.named_modules():
-        if type(module) is nn.Linear and name not in known:
-            high[f"{prefix}.{name}"] = "not named in fp4ptq/models.py's table for this architecture"
+def _down(module) -> str:
+    return module[0].names[2]
+
+
+def _stats_pre_hook(st: InputStats):
+    def hook(module, args, kwargs):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        st.update(x)
+
+    return hook
+
+
+def _capture_experts(store: list):
+    def hook(module, args, kwargs):
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        values = list(args[:3]) + [kwargs.get(n) for n in names[len(args[:3]):]]
+        store.append(tuple(v.detach() for v in values))
+
+    return hook
 
 
 @torch.no_grad()
-def _quantize_head(model, spec: ArchSpec, config: QuantConfig, inputs, device, high: dict, use_data: bool) -> dict:
+def _quantize_experts(block, name, module, plan, shared_group, shared_stats, members, captured, config, prefix,
+                      high, smoothing_info) -> dict:
+    """Stream the experts of one ``LinearExperts``: per expert, its statistics (every
+    calibration token under ``moe_calib="all"``, its routed tokens under "routed"),
+    the down projection's smoothing, rounding and swap; then they are freed, so
+    peak memory does not grow with the number of experts. An expert without data
+    is rounded with RTN and named in a warning."""
+    entries = {}
+    gate_n, up_n, down_n = module[0].names
+    chosen = {n for g in plan.groups for n in members[g]}
+    groups_by_down = {g.linears[0]: g for g in plan.groups if len(g.linears) == 1}
+    use_data = bool(captured)
+    xs = [x.reshape(-1, x.shape[-1]) for x, _, _ in captured] if use_data else []
+    for e, mlp in enumerate(module):
+        local = f"{name}.{e}"
+        full = _join(prefix, local)
+        rows = None
+        if use_data and config.moe_calib == "routed":
+            rows = [torch.where((idx == e).any(-1))[0] for _, idx, _ in captured]
+        x_e = [x if rows is None else x[r] for x, r in zip(xs, rows or [None] * len(xs))]
+        n_tokens = sum(int(x.shape[0]) for x in x_e)
+        no_data = use_data and n_tokens == 0
+        if no_data:
+            warnings.warn(f"fp4ptq: expert {full} received no calibration token (moe_calib='routed'); it is "
+                          "rounded with RTN and its activation statistics come from all tokens", stacklevel=2)
+            x_e = xs
+        # gate/up statistics: under "all" the shared group's (every token), else this expert's tokens
+        gu_stats = None
+        if use_data:
+            if rows is None and shared_stats is not None:
+                gu_stats = shared_stats
+            else:
+                gu_stats = InputStats(f"{full}.{gate_n} (input shared with {up_n})",
+                                      keep_samples=config.search_nsamples if config.transform else 0,
+                                      hessian_wanted=config.rounding == "gptq" and not no_data)
+                for x in x_e:
+                    if x.shape[0]:
+                        gu_stats.update(x.unsqueeze(0))
+        # down statistics: its input act(gate(x)) * up(x) with the float weights
+        down_stats = None
+        down_group = groups_by_down.get(f"{local}.{down_n}")
+        if use_data:
+            down_stats = InputStats(f"{full}.{down_n}", keep_samples=config.search_nsamples if config.transform else 0,
+                                    hessian_wanted=config.rounding == "gptq" and not no_data)
+            g, u, _ = mlp.projections()
+            for x in x_e:
+                if x.shape[0]:
+                    down_stats.update(module.apply_gate(g(x), u(x)).unsqueeze(0))
+            if config.transform and down_group is not None and not no_data:
+                rel = InputGroup((down_n,), up_n if down_group.prev == f"{local}.{up_n}" else None, down_n,
+                                 fold="linear", why=down_group.why)
+                record = smooth_group(mlp, rel, down_stats, config, InspectCall((), {}, 0),
+                                      [down_n] if f"{local}.{down_n}" in chosen else [])
+                record.pop("scales", None)
+                smoothing_info[f"{full}.{down_n}"] = record
+        gu_group = InputGroup((gate_n, up_n), None, None, fused_sets=((gate_n, up_n),))
+        gu_members = [n for n in (gate_n, up_n) if f"{local}.{n}" in chosen]
+        entries.update(quantize_group(mlp, None, gu_group, gu_members, gu_stats, config, full, rtn_only=no_data))
+        if f"{local}.{down_n}" in chosen:
+            entries.update(quantize_group(mlp, None, InputGroup((down_n,), None, None), [down_n], down_stats, config,
+                                          full, rtn_only=no_data))
+        if no_data:
+            for n in (gate_n, up_n, down_n):
+                if f"{full}.{n}" in entries:
+                    entries[f"{full}.{n}"]["note"] = "no routed calibration token: RTN"
+    return entries
+
+
+@torch.no_grad()
+def _quantize_head(model, layers_path: str, config: QuantConfig, inputs, device, high: dict, use_data: bool) -> dict:
     """Round the LM head (no smoothing) on the final norm's outputs, unless ignored."""
-    try:
-        head = model.get_submodule(spec.head)
-    except AttributeError:
+    from .models import final_norm, head_name
+
+    head_path = head_name(model)
+    if head_path is None:
         return {}
-    if config.is_ignored(spec.head):
-        high[spec.head] = "ignored by QuantConfig.ignore"
+    if config.is_ignored(head_path):
+        high[head_path] = "ignored by QuantConfig.ignore"
         return {}
-    group = InputGroup((spec.head,), spec.final_norm, spec.head)
+    group = InputGroup((head_path,), None, head_path)
     members = _split_quantizable(model, group, config, "", high)
     if not members:
         return {}
-    norm = model.get_submodule(spec.final_norm)
-    homes = [next(m.parameters()).device for m in (norm, head)]
+    norm_path = final_norm(model, layers_path)
+    head = model.get_submodule(head_path)
+    norm = model.get_submodule(norm_path) if norm_path else nn.Identity()
+    homes = [next(m.parameters(), torch.empty(0)).device for m in (norm, head)]
     norm.to(device)
     # A copy on the device: the head's weight may be tied to the input embedding,
     # which must not follow it there.
-    set_module(model, spec.head, copy.deepcopy(head).to(device))
+    set_module(model, head_path, copy.deepcopy(head).to(device))
     stats = None
     if use_data:
-        stats = InputStats(spec.head, hessian_wanted=config.rounding == "gptq")
+        stats = InputStats(head_path, hessian_wanted=config.rounding == "gptq")
         for h in inputs.hidden:
             stats.update(norm(h))
-    entries = quantize_group(model, spec, group, members, stats, _no_transform(config), "")
+    entries = quantize_group(model, None, group, members, stats, _no_transform(config), "")
     norm.to(homes[0])
-    model.get_submodule(spec.head).to(homes[1])
+    model.get_submodule(head_path).to(homes[1])
     return entries
 
 

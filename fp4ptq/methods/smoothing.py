@@ -25,10 +25,11 @@ class SmoothingError(ValueError):
     """Scales cannot be folded into the given modules."""
 
 
-def can_fold(prev: nn.Module, linears: Sequence[nn.Linear]) -> bool:
-    """Whether ``prev``'s output channels map one to one onto the linears'
-    inputs (false e.g. for v_proj -> o_proj under grouped-query attention)."""
-    channels = {lin.in_features for lin in linears}
+def can_fold(prev: nn.Module, linears: Sequence[nn.Module]) -> bool:
+    """Whether ``prev``'s output channels map one to one onto the readers' inputs
+    (false e.g. for v_proj -> o_proj under grouped-query attention). Readers are
+    linears or other modules with a ``weight [out, in]`` (an MoE router)."""
+    channels = {lin.weight.shape[1] for lin in linears}
     if len(channels) != 1:
         return False
     (n,) = channels
@@ -39,9 +40,13 @@ def can_fold(prev: nn.Module, linears: Sequence[nn.Linear]) -> bool:
 
 
 @torch.no_grad()
-def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], scales: torch.Tensor) -> None:
+def fold_scales(prev: nn.Module, linears: Sequence[nn.Module], scales: torch.Tensor, *, kind: str = "auto") -> None:
     """Fold ``scales: [in]`` in place: ``prev``'s output channels divided by
-    ``scales``, each linear's input columns multiplied by them (math in fp32)."""
+    ``scales``, each reader's input columns multiplied by them (math in fp32).
+
+    kind: "linear" (prev's rows), "norm" (a norm computing ``w * x_hat``: ``w / s``),
+    "norm_offset" (a norm computing ``(1 + w) * x_hat``, as Gemma's: ``(1 + w) / s - 1``),
+    or "auto" ("linear" for an nn.Linear, else "norm")."""
     if not can_fold(prev, linears):
         raise SmoothingError(
             f"cannot fold scales of {scales.numel()} channels from {type(prev).__name__} into "
@@ -50,12 +55,19 @@ def fold_scales(prev: nn.Module, linears: Sequence[nn.Linear], scales: torch.Ten
     nvfp4.check_finite(scales, "smoothing scales")
     if not bool((scales > 0).all()):
         raise SmoothingError("smoothing scales must be positive")
+    if kind == "auto":
+        kind = "linear" if isinstance(prev, nn.Linear) else "norm"
     s = scales.detach().float()
-    if isinstance(prev, nn.Linear):
+    w = prev.weight
+    if kind == "linear":
         # prev.weight: [n, k]: output rows scaled.
-        prev.weight.copy_((prev.weight.float() / s[:, None]).to(prev.weight.dtype))
+        w.copy_((w.float() / s.to(w.device)[:, None]).to(w.dtype))
+    elif kind == "norm":
+        w.copy_((w.float() / s.to(w.device)).to(w.dtype))
+    elif kind == "norm_offset":
+        w.copy_(((1.0 + w.float()) / s.to(w.device) - 1.0).to(w.dtype))
     else:
-        prev.weight.copy_((prev.weight.float() / s.to(prev.weight.device)).to(prev.weight.dtype))
+        raise SmoothingError(f"unknown fold kind {kind!r}")
     bias = getattr(prev, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias.copy_((bias.float() / s.to(bias.device)).to(bias.dtype))

@@ -1,0 +1,229 @@
+"""Mixture-of-Experts experts as one linear layer per expert projection.
+
+transformers 5 stores a layer's routed experts as 3-D parameters
+(``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, or transposed, with
+gate and up concatenated or interleaved; see ``transformers.integrations.moe``).
+NVFP4 checkpoints store every expert projection as a tensor of its own, under
+the names of the original per-expert checkpoint (``experts.3.gate_proj`` or
+Mixtral's ``experts.3.w1``), and engines (vLLM's compressed-tensors MoE loader)
+read them so.
+
+``LinearExperts`` holds the same weights as one ``ExpertMLP`` (gate, up, down
+``nn.Linear``) per expert and computes the same function as the module it
+replaces: every method, the packer, the checkpoint writer and the loader then
+see ordinary linears (quantized: ``NVFP4Linear``), named as engines expect.
+
+Calibration: with ``calibrate_all`` set, every expert also runs on every token
+(so its statistics and Hessians see all calibration data), while the layer's
+output still follows the real routing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+# Names of the per-expert projections when transformers has no conversion table
+# for the model type (its checkpoints then store 3-D tensors): the names most
+# per-expert checkpoints use.
+DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class UnsupportedExperts(ValueError):
+    """An experts module whose layout LinearExperts does not reproduce."""
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(apply_gate(gate_up(x)))`` with gate, up and down as linears."""
+
+    def __init__(self, names: tuple, hidden: int, inter: int, bias: bool, dtype=None, device=None) -> None:
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        kw = dict(dtype=dtype, device=device)
+        self.add_module(gate, nn.Linear(hidden, inter, bias=bias, **kw))
+        self.add_module(up, nn.Linear(hidden, inter, bias=bias, **kw))
+        self.add_module(down, nn.Linear(inter, hidden, bias=bias, **kw))
+
+    def projections(self) -> tuple:
+        return tuple(getattr(self, n) for n in self.names)
+
+
+class LinearExperts(nn.ModuleList):
+    """Per-expert linears with the forward of transformers' experts modules:
+    ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+
+    ``apply_gate`` is the replaced module's gating (``act(gate) * up`` by default,
+    gpt-oss' clamped SwiGLU), ``concatenated`` whether its gate_up output is
+    ``[gate | up]`` (else interleaved ``gate0, up0, gate1, ...``)."""
+
+    def __init__(self, experts: list, gating: nn.Module, concatenated: bool, num_experts: int) -> None:
+        super().__init__(experts)
+        # The replaced module, stripped of its weights: its _apply_gate (and act_fn,
+        # limits) is the gating; kept out of the module tree (it holds no tensors we save).
+        object.__setattr__(self, "_gating", gating)
+        self.concatenated = concatenated
+        self.num_experts = num_experts
+        self.calibrate_all = False
+
+    def apply_gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.concatenated:
+            gate_up = torch.cat([gate, up], dim=-1)
+        else:
+            gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+        return self._gating._apply_gate(gate_up)
+
+    def expert_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self[index].projections()
+        return down(self.apply_gate(gate(x), up(x)))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args, **kwargs) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # [E, k, T]: which (slot, token) pairs route to each expert; indices outside
+            # [0, E) (transformers' masking of dropped slots) select nothing.
+            hits = torch.nn.functional.one_hot(top_k_index.clamp(0, self.num_experts), self.num_experts + 1)
+            hits = hits.permute(2, 1, 0)[: self.num_experts]
+            active = hits.flatten(1).any(1).nonzero().flatten().tolist()
+        experts = range(self.num_experts) if self.calibrate_all else active
+        for e in experts:
+            slot, token = torch.where(hits[e])
+            if self.calibrate_all:
+                y = self.expert_forward(e, hidden_states)[token]
+            else:
+                y = self.expert_forward(e, hidden_states[token])
+            if token.numel():
+                y = y * top_k_weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers' 3-D experts (its ``use_experts_implementation`` classes, and
+    any module holding ``gate_up_proj``/``down_proj`` as 3-D parameters)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dim() == 3 and down.dim() == 3)
+
+
+def expert_names(model: nn.Module) -> tuple:
+    """(gate, up, down) projection names of the original per-expert checkpoint,
+    from transformers' conversion table for the model type (the sources it
+    merges into ``experts.gate_up_proj`` and ``experts.down_proj``)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # noqa: BLE001 - older transformers: no table
+        return DEFAULT_NAMES
+
+    def projection(pattern: str) -> Optional[str]:
+        # ".experts.*.w1.weight" -> "w1"
+        head, star, tail = pattern.partition(".*.")
+        return tail.removesuffix(".weight") if star and tail.endswith(".weight") else None
+
+    gate = up = down = None
+    for conv in conversions:
+        if not isinstance(conv, WeightConverter):
+            continue
+        targets = getattr(conv, "_original_target_patterns", None) or conv.target_patterns
+        sources = getattr(conv, "_original_source_patterns", None) or conv.source_patterns
+        target = targets[0] if isinstance(targets, (list, tuple)) else targets
+        sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        names = [projection(s) for s in sources]
+        if target.endswith("experts.gate_up_proj") and len(names) == 2 and all(names):
+            gate, up = names
+        elif target.endswith("experts.down_proj") and len(names) == 1 and names[0]:
+            down = names[0]
+    if gate and up and down:
+        return gate, up, down
+    return DEFAULT_NAMES
+
+
+def _layout(module: nn.Module) -> tuple:
+    """(transposed, concatenated, has_bias) of a transformers experts module."""
+    if getattr(module, "has_gate", True) is False or getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedExperts(
+            f"{type(module).__name__}: experts without a gate projection or with a post-expert norm are not "
+            "supported yet; they stay in high precision")
+    if not hasattr(module, "_apply_gate"):
+        raise UnsupportedExperts(f"{type(module).__name__} has no _apply_gate (not a transformers 5 experts module)")
+    transposed = bool(getattr(module, "is_transposed", False))
+    concatenated = bool(getattr(module, "is_concatenated", True))
+    has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
+    return transposed, concatenated, has_bias
+
+
+@torch.no_grad()
+def linearize(module: nn.Module, names: tuple = DEFAULT_NAMES, *, device=None) -> LinearExperts:
+    """A ``LinearExperts`` with ``module``'s weights (copied expert by expert; the
+    3-D parameters are released from ``module``). ``device="meta"`` builds an
+    empty one (for loading a checkpoint)."""
+    transposed, concatenated, has_bias = _layout(module)
+    gate_up, down = module.gate_up_proj, module.down_proj
+    num = gate_up.shape[0]
+    # [E, 2I, H] (or [E, H, 2I] transposed) and [E, H, I] (or [E, I, H])
+    hidden = gate_up.shape[2] if not transposed else gate_up.shape[1]
+    inter = (gate_up.shape[1] if not transposed else gate_up.shape[2]) // 2
+    dtype = gate_up.dtype
+    meta = device == "meta" or gate_up.is_meta
+    target = torch.device("meta") if meta else gate_up.device
+    experts = []
+    for e in range(num):
+        mlp = ExpertMLP(names, hidden, inter, has_bias, dtype=dtype, device=target)
+        if not meta:
+            w_gu = gate_up[e].t() if transposed else gate_up[e]       # [2I, H]
+            w_d = down[e].t() if transposed else down[e]              # [H, I]
+            gate, up = (w_gu[:inter], w_gu[inter:]) if concatenated else (w_gu[0::2], w_gu[1::2])
+            g, u, d = mlp.projections()
+            g.weight.copy_(gate)
+            u.weight.copy_(up)
+            d.weight.copy_(w_d)
+            if has_bias:
+                b_gu, b_d = module.gate_up_proj_bias[e], module.down_proj_bias[e]
+                bg, bu = (b_gu[:inter], b_gu[inter:]) if concatenated else (b_gu[0::2], b_gu[1::2])
+                g.bias.copy_(bg)
+                u.bias.copy_(bu)
+                d.bias.copy_(b_d)
+        experts.append(mlp)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        if name in module._parameters:
+            del module._parameters[name]
+    return LinearExperts(experts, module, concatenated, num)
+
+
+def linearize_model(model: nn.Module, *, device=None) -> dict:
+    """Replace every 3-D experts module of ``model`` by a ``LinearExperts`` (in
+    place). Returns ``{module name: reason}`` for experts modules left as they
+    are (a layout not supported), so the caller can report them."""
+    names = expert_names(model)
+    kept = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LinearExperts) or not is_experts_module(module):
+            continue
+        try:
+            new = linearize(module, names, device=device)
+        except UnsupportedExperts as exc:
+            kept[name] = str(exc)
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return kept
+
+
+def expert_linear_names(model: nn.Module) -> list:
+    """Full names of every expert projection linear in ``model``."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearExperts):
+            for e, mlp in enumerate(module):
+                out.extend(f"{name}.{e}.{n}" for n in mlp.names)
+    return out
+
+
+__all__ = ["DEFAULT_NAMES", "ExpertMLP", "LinearExperts", "UnsupportedExperts", "expert_linear_names",
+           "expert_names", "is_experts_module", "linearize", "linearize_model"]
