@@ -523,8 +523,8 @@ def quantize(
     elif calib is not None:
         calib = _check_calib(calib, model)
         calibration = {"source": "tensor", "nsamples": calib.shape[0], "seqlen": calib.shape[1], "seed": None}
-    if calib is not None and config.needs_calibration:
-        calibration["moe_calib"] = config.moe_calib if any(isinstance(m, LinearExperts) for m in model.modules()) else None
+    if calib is not None and config.needs_calibration and any(isinstance(m, LinearExperts) for m in model.modules()):
+        calibration["moe_calib"] = config.moe_calib
 
     home = next(model.parameters()).device
     device = torch.device(device) if device is not None else home

@@ -178,10 +178,14 @@ def test_other_architectures_and_grouped_query_attention(config_cls, extra):
     assert float((out - ref).norm() / ref.norm()) < 0.2
 
 
-def test_unknown_architecture_says_which_table_to_extend():
+def test_a_model_without_a_table_names_every_module_it_cannot_quantize():
+    # GPT-2 has no table and computes its projections with transformers' Conv1D, not
+    # nn.Linear: discovery finds its blocks, and each Conv1D is reported, not dropped silently.
     model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedArchitecture, match="gpt2.*fp4ptq/models.py"):
-        fp4ptq.quantize(model, QuantConfig(), progress=False)
+    fp4ptq.quantize(model, QuantConfig(), progress=False)
+    high = model.fp4ptq_info["high_precision"]
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        assert "Conv1D" in high[f"transformer.h.0.{name}"]
 
 
 def test_missing_calibration_is_a_clear_error():
