@@ -155,7 +155,7 @@ def cmd_quantize(args) -> int:
 
     started = time.perf_counter()
     fields = dict(method=args.method, four_six=args.four_six, scheme=args.scheme, seed=args.seed)
-    for name in ("calib", "nsamples", "seqlen", "search_nsamples", "awq_grid"):
+    for name in ("calib", "nsamples", "seqlen", "search_nsamples", "awq_grid", "moe_calib"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.ignore:
@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--search-nsamples", type=int,
                    help="calibration sequences the AWQ/SmoothQuant searches run on (default 16)")
     q.add_argument("--awq-grid", type=int, help="AWQ activation-exponent grid points in [0, 1) (default 20)")
+    q.add_argument("--moe-calib", choices=("all", "routed"),
+                   help="Mixture-of-Experts: every expert calibrates on every token while the output follows the "
+                        "routing (all, default), or only on the tokens routed to it (routed)")
     q.add_argument("--awq-clip", action="store_true",
                    help="AWQ: also search a clipping ratio per 16-weight block (the best W4A4 recipe in "
                         "benchmarks/results/accuracy_smollm2_h200.md)")

@@ -38,7 +38,7 @@ DENSE = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "
 MOE_TYPES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"]
 # The families whose smoothing folds are exact somewhere (norm -> q/k/v at least);
 # olmo2 (post-norms) has none into its attention, and is covered by the "why" test.
-SMOOTHABLE = {"llama", "gemma3_text", "qwen3_moe", "mixtral", "deepseek_v3"}
+SMOOTHABLE = {"llama", "gemma3_text", "qwen3_moe"}
 CALIB = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -301,3 +301,29 @@ def test_an_encoder_decoder_model_is_refused_with_exit_5(tmp_path):
     from fp4ptq.cli import _exit_code_for
 
     assert _exit_code_for(UnsupportedArchitecture("x")) == 5
+
+
+def test_inspect_groups_experts_with_min_mean_max(checkpoints, tmp_path):
+    from fp4ptq.cli import main
+
+    out, _ = checkpoints[("qwen3_moe", "rtn")]
+    assert main(["inspect", str(out), "--output", str(tmp_path / "inspect")]) == 0
+    summary = json.loads((tmp_path / "inspect" / "inspect.json").read_text())
+    rows = {row["name"]: row for row in summary["layers"]}
+    row = rows["model.layers.0.mlp.experts.*.gate_proj"]
+    errors = [e["rel_error"] for e in summary["expert_layers"] if e["name"].endswith("gate_proj")
+              and e["name"].startswith("model.layers.0.")]
+    assert row["experts"] == 4 == len(errors)
+    assert row["rel_error_min"] == min(errors) and row["rel_error_max"] == max(errors)
+    assert abs(row["rel_error"] - sum(errors) / 4) < 1e-12
+    text = (tmp_path / "inspect" / "inspect.md").read_text()
+    assert "(4 experts)" in text and "model.layers.0.mlp.gate (MoE router" in text
+
+
+def test_cli_moe_calib_option_reaches_the_config(tmp_path):
+    from fp4ptq.cli import build_parser
+
+    args = build_parser().parse_args(["quantize", "--moe-calib", "routed"])
+    assert args.moe_calib == "routed"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quantize", "--moe-calib", "some"])

@@ -322,14 +322,52 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict:
         "max_rel_error": max(errors) if errors else None,
         "four_share": (sum(s * n for s, n in shares) / sum(n for _, n in shares)) if shares else None,
     }
+    collapsed, experts = group_experts(layers)
     return {
         "checkpoint": str(checkpoint),
         "config": info.get("config"),
         "calibration": info.get("calibration"),
         "high_precision": info.get("high_precision", {}),
-        "layers": layers,
+        "layers": collapsed,
+        "expert_layers": experts,
         "totals": totals,
     }
+
+
+_EXPERT_NAME = re.compile(r"^(?P<moe>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+
+
+def group_experts(layers: list) -> tuple:
+    """``(rows, expert rows)``: every Mixture-of-Experts projection (``...experts.E.proj``)
+    collapsed into one row per layer and projection (``...experts.*.proj``) with the
+    minimum, mean and maximum error over its experts and their mean 4/6 share and
+    total bytes; the per-expert rows are returned apart."""
+    rows, experts, by_key = [], [], {}
+    for layer in layers:
+        match = _EXPERT_NAME.match(layer["name"])
+        if match is None:
+            rows.append(layer)
+            continue
+        experts.append(layer)
+        key = f"{match['moe']}.*.{match['proj']}"
+        if key not in by_key:
+            by_key[key] = {**layer, "name": key, "experts": 0, "bytes": 0, "bf16_bytes": 0, "_err": [], "_share": []}
+            rows.append(by_key[key])
+        row = by_key[key]
+        row["experts"] += 1
+        row["bytes"] += layer["bytes"]
+        row["bf16_bytes"] += layer["bf16_bytes"] or 0
+        if layer["rel_error"] is not None:
+            row["_err"].append(layer["rel_error"])
+        if layer["four_share"] is not None:
+            row["_share"].append(layer["four_share"])
+    for row in by_key.values():
+        errors, shares = row.pop("_err"), row.pop("_share")
+        row["rel_error"] = sum(errors) / len(errors) if errors else None
+        row["rel_error_min"] = min(errors) if errors else None
+        row["rel_error_max"] = max(errors) if errors else None
+        row["four_share"] = sum(shares) / len(shares) if shares else None
+    return rows, experts
 
 
 def _human_bytes(n: Optional[float]) -> str:
@@ -355,11 +393,20 @@ def inspect_markdown(summary: dict) -> str:
         lines.append("")
     lines += ["| layer | shape | scheme | 4/6 share | rel. error | bytes |", "|---|---|---|---|---|---|"]
     for layer in summary["layers"]:
+        error = _fmt_opt(layer["rel_error"], ".4f")
+        name = layer["name"]
+        if layer.get("experts"):   # min / mean / max over the experts of one MoE projection
+            error = (f"{_fmt_opt(layer['rel_error_min'], '.4f')} / {error} / "
+                     f"{_fmt_opt(layer['rel_error_max'], '.4f')}")
+            name = f"{name} ({layer['experts']} experts)"
         lines.append(
-            f"| {layer['name']} | {' x '.join(map(str, layer['shape']))} | {layer['scheme'] or '–'} | "
-            f"{_fmt_opt(layer['four_share'], '.3f')} | {_fmt_opt(layer['rel_error'], '.4f')} | "
+            f"| {name} | {' x '.join(map(str, layer['shape']))} | {layer['scheme'] or '–'} | "
+            f"{_fmt_opt(layer['four_share'], '.3f')} | {error} | "
             f"{_human_bytes(layer['bytes'])} |"
         )
+    if summary.get("expert_layers"):
+        lines += ["", "Experts: rel. error is min / mean / max over each projection's experts; 4/6 share their mean "
+                      "(every expert's own row: `expert_layers` in inspect.json)."]
     lines += [
         "",
         f"Totals: {t['quantized_layers']} quantized layers, {_human_bytes(t['quantized_bytes'])} "
