@@ -1,0 +1,131 @@
+"""Every causal-LM model type the installed transformers registers, as a tiny random
+model from its own config class: does fp4ptq quantize it (RTN and GPTQ, W4A16), save
+it, load it back with the same logits? Writes which pass and, for the others, the
+stage and the error (`benchmarks/results/model_types_sweep.{json,md}`).
+
+    python benchmarks/model_types_sweep.py [--types llama,qwen3_moe] [--timeout 120]
+
+Each model type runs in its own subprocess (a hang or crash is recorded, not fatal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+# Small sizes most config classes accept; families that need more are given it below.
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
+             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+ONE = r'''
+import json, sys, tempfile, warnings, torch
+warnings.simplefilter("ignore")
+from transformers import AutoConfig, AutoModelForCausalLM
+import fp4ptq
+from fp4ptq import QuantConfig
+model_type, small = sys.argv[1], json.loads(sys.argv[2])
+stage = "config"
+try:
+    config = AutoConfig.for_model(model_type, **small)
+    stage = "build"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, min(int(getattr(config, "vocab_size", 128) or 128), 128), (2, 16))
+    with torch.no_grad():
+        model(ids)
+    for method in ("rtn", "gptq"):
+        stage = f"quantize {method}"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        fp4ptq.quantize(model, QuantConfig(method=method), ids, progress=False)
+        with torch.no_grad():
+            expected = model(ids).logits
+        stage = f"save {method}"
+        with tempfile.TemporaryDirectory() as d:
+            fp4ptq.save(model, d + "/ckpt")
+            stage = f"load {method}"
+            loaded = fp4ptq.load(d + "/ckpt", device="cpu", dtype=torch.float32)
+            with torch.no_grad():
+                got = loaded(ids).logits
+        if not torch.equal(got, expected):
+            raise AssertionError(f"logits after loading differ by {float((got - expected).abs().max()):.3g}")
+    info = model.fp4ptq_info
+    print(json.dumps({"ok": True, "quantized": len(info["layers"]),
+                      "kept": {k: v for k, v in info["high_precision"].items() if k != "lm_head"}}))
+except Exception as exc:  # noqa: BLE001 - the sweep records every failure
+    print(json.dumps({"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
+'''
+
+
+def causal_lm_types() -> list:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run_one(model_type: str, timeout: float) -> dict:
+    started = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, "-c", ONE, model_type, json.dumps(SMALL)], capture_output=True,
+                             text=True, timeout=timeout)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {"ok": False, "stage": "process",
+                                                      "error": out.stderr.strip().splitlines()[-1:]}
+    except subprocess.TimeoutExpired:
+        result = {"ok": False, "stage": "process", "error": f"timed out after {timeout:.0f} s"}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def markdown(results: dict) -> str:
+    passed = [t for t, r in results.items() if r["ok"]]
+    lines = [f"# fp4ptq on every causal-LM model type of transformers (tiny random models)", "",
+             f"{len(passed)} of {len(results)} pass (RTN and GPTQ W4A16 quantize, save, load, same logits).", "",
+             "| model type | result | quantized linears | kept in high precision / error |", "|---|---|---|---|"]
+    for name, r in results.items():
+        if r["ok"]:
+            kept = "; ".join(f"{k}: {v}" for k, v in list(r["kept"].items())[:2]) or ""
+            lines.append(f"| {name} | pass | {r['quantized']} | {kept} |")
+        else:
+            error = str(r["error"]).replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {name} | fails at {r['stage']} | | {error} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--timeout", type=float, default=180)
+    parser.add_argument("--output", default=str(RESULTS / "model_types_sweep"))
+    args = parser.parse_args()
+    types = args.types.split(",") if args.types else causal_lm_types()
+    results = {}
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **k: x  # noqa: E731
+    for model_type in tqdm(types, desc="model types"):
+        results[model_type] = run_one(model_type, args.timeout)
+    import transformers
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"transformers": transformers.__version__, "small_config": SMALL, "results": results}
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+        json.dump(payload, f, indent=1)
+    Path(f.name).replace(out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results).splitlines()[2])
+
+
+if __name__ == "__main__":
+    main()
