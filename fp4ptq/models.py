@@ -239,6 +239,7 @@ class BlockPlan:
     groups: list
     experts: tuple = ()
     high: dict = field(default_factory=dict)
+    expert_lists: dict = field(default_factory=dict)   # per-expert module lists (older MoE form): name -> parent
 
 
 def _key(t) -> Optional[tuple]:
@@ -386,6 +387,9 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
     sibling_experts: dict = {}
     for e in experts:
         sibling_experts.setdefault(_parent(e), set()).add(modules[e].num_experts)
+    lists = _expert_lists(modules)
+    for name in lists:
+        sibling_experts.setdefault(_parent(name), set()).add(len(modules[name]))
 
     dtype = next((p.dtype for p in block.parameters() if p.is_floating_point()), torch.float32)
     if probe and dtype != torch.float32:
@@ -404,7 +408,66 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
         if probe and dtype != torch.float32:
             block.to(dtype)
     plan.experts = experts
+    plan.expert_lists = {name: _parent(name) for name in lists}
+    _mirror_unrouted_experts(plan, modules, lists)
     return plan
+
+
+def _expert_lists(modules: dict) -> dict:
+    """The older Mixture-of-Experts form: an ``nn.ModuleList`` of identical expert MLPs
+    (``experts.E.w1`` ...) beside a router whose output has one value per expert.
+    Returns ``{list name: router name}``."""
+    from .experts import LinearExperts
+
+    found = {}
+    for name, module in modules.items():
+        if not isinstance(module, nn.ModuleList) or isinstance(module, LinearExperts) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        first = next((m for m in module[0].modules() if isinstance(m, nn.Linear)), None)
+        if first is None:
+            continue
+        parent = _parent(name)
+        for other, candidate in modules.items():
+            weight = getattr(candidate, "weight", None)
+            if (other != name and _parent(other) == parent and not list(candidate.children())
+                    and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                    and weight.shape == (len(module), first.in_features)):
+                found[name] = other
+                break
+    return found
+
+
+def _mirror_unrouted_experts(plan: BlockPlan, modules: dict, lists: dict) -> None:
+    """Experts of a per-expert list that the observed forward did not route to get the
+    groups of an expert that it did (they are the same module, so the same structure)."""
+    for name in lists:
+        grouped = {n for g in plan.groups for n in g.linears}
+        count = len(modules[name])
+        seen = [e for e in range(count) if any(n.startswith(f"{name}.{e}.") for n in grouped)]
+        if not seen:
+            continue
+        source = f"{name}.{seen[0]}."
+        template = [g for g in plan.groups if all(n.startswith(source) for n in g.linears)]
+        for e in range(count):
+            target = f"{name}.{e}."
+            if e in seen:
+                continue
+
+            def move(n, target=target):
+                if n == source[:-1]:
+                    return target[:-1]
+                return target + n[len(source):] if n and n.startswith(source) else n
+
+            for g in template:
+                plan.groups.append(replace(
+                    g, linears=tuple(move(n) for n in g.linears), prev=move(g.prev),
+                    inspect=move(g.inspect) if g.inspect else g.inspect,
+                    fused_sets=tuple(tuple(move(n) for n in f) for f in g.fused_sets)))
+            for n in list(plan.high):
+                if n.startswith(target) and "never called" in plan.high[n]:
+                    del plan.high[n]
 
 
 def _cast_call(call: tuple, dtype) -> tuple:

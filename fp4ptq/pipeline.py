@@ -24,7 +24,7 @@ import contextlib
 import copy
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
@@ -601,8 +601,16 @@ def quantize_block(
     def expert_of(name: str):
         return next((e for e in experts if name.startswith(e + ".")), None)
 
+    lists = getattr(plan, "expert_lists", {}) or {}   # older MoE form: per-expert module lists
+
+    def list_of(name: str):
+        return next((n for n in lists if name.startswith(n + ".")), None)
+
     members = {g: _split_quantizable(block, g, config, prefix, high) for g in plan.groups}
-    dense = {g: [n for n in members[g] if expert_of(n) is None] for g in plan.groups}
+    dense = {g: [n for n in members[g] if expert_of(n) is None and list_of(n) is None] for g in plan.groups}
+    list_groups = [g for g in plan.groups if list_of(g.linears[0])]
+    routed_lists = config.moe_calib == "routed"
+    parent_inputs = {name: [] for name in lists}
     expert_groups = [g for g in plan.groups if any(expert_of(n) for n in g.linears)]
     stats = dict.fromkeys(plan.groups)
     captured = {name: [] for name in experts}   # per experts module: its (x, top_k_index, top_k_weights) calls
@@ -617,6 +625,9 @@ def quantize_block(
                 if all(expert_of(n) for n in g.linears) and g.inspect is not None and expert_of(g.inspect or ""):
                     stats_list.append(None)   # one expert's down: its statistics come in the expert stream
                     continue
+                if g in list_groups and not routed_lists:
+                    stats_list.append(None)   # per-expert lists under "all": statistics in the expert stream
+                    continue
                 hook_name = g.inspect if g.inspect is not None else next(iter(dense[g] or g.linears))
                 module = block.get_submodule(hook_name) if hook_name else block
                 others = ", ".join(n.rsplit(".", 1)[-1] for n in g.linears[1:4])
@@ -628,6 +639,9 @@ def quantize_block(
                 stats_list.append(st)
             for name, module in experts.items():
                 handles.append(module.register_forward_pre_hook(_capture_experts(captured[name]), with_kwargs=True))
+            for name, parent in lists.items():
+                module = block.get_submodule(parent) if parent else block
+                handles.append(module.register_forward_pre_hook(_capture_input(parent_inputs[name]), with_kwargs=True))
             run_block(block, inputs.hidden, call, replace=False)
         finally:
             for h in handles:
@@ -635,7 +649,7 @@ def quantize_block(
         stats = dict(zip(plan.groups, stats_list))
         if config.transform:
             for g in plan.groups:
-                if stats[g] is None:
+                if stats[g] is None or g in list_groups:
                     continue
                 record = smooth_group(block, g, stats[g], config, calls.get(g), members[g])
                 scales = record.pop("scales", None)
@@ -650,6 +664,11 @@ def quantize_block(
             smoothing_info[_join(prefix, g.linears[0])] = {"skipped": g.why}
         if dense[g]:
             layers.update(quantize_group(block, spec, g, dense[g], stats[g], config, prefix))
+    for name in lists:
+        layers.update(_quantize_expert_list(block, name, [g for g in list_groups if list_of(g.linears[0]) == name],
+                                            stats, members, parent_inputs[name], config, prefix, smoothing_info,
+                                            use_data=inputs is not None))
+        parent_inputs[name] = None
     for name, module in experts.items():
         shared = [g for g in expert_groups if any(expert_of(n) == name and not n.endswith(_down(module)) for n in g.linears)]
         layers.update(_quantize_experts(block, name, module, plan, shared[0] if shared else None,
@@ -671,6 +690,91 @@ def _stats_pre_hook(st: InputStats):
         st.update(x)
 
     return hook
+
+
+def _capture_input(store: list):
+    def hook(module, args, kwargs):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        store.append(x.detach().reshape(-1, x.shape[-1]))
+
+    return hook
+
+
+@torch.no_grad()
+def _quantize_expert_list(block, name, groups, stats, members, inputs, config, prefix, smoothing_info,
+                          *, use_data) -> dict:
+    """The older MoE form (an ``nn.ModuleList`` of expert MLPs): one expert at a time, its
+    groups' statistics from every token reaching the layer (``moe_calib="all"``), or from its
+    routed tokens ("routed"; an expert that got none is rounded with RTN, named in a warning,
+    its activation statistics taken from every token), then smoothing of its own groups,
+    rounding and swap."""
+    entries = {}
+    by_expert: dict = {}
+    for g in groups:
+        expert = g.linears[0][len(name) + 1:].split(".", 1)[0]
+        by_expert.setdefault(int(expert), []).append(g)
+    for e in sorted(by_expert):
+        local = f"{name}.{e}"
+        expert = block.get_submodule(local)
+        todo = by_expert[e]
+        routed = {g: stats.get(g) for g in todo} if config.moe_calib == "routed" and use_data else {}
+        no_data = use_data and bool(routed) and all(st is None or st.tokens == 0 for st in routed.values())
+        own = {}
+        if use_data and (not routed or no_data):
+            if no_data:
+                warnings.warn(f"fp4ptq: expert {_join(prefix, local)} received no calibration token "
+                              "(moe_calib='routed'); it is rounded with RTN and its activation statistics come "
+                              "from all tokens", stacklevel=2)
+            own = _expert_stats(block, expert, local, todo, inputs, config, prefix, hessian=not no_data)
+        for g in todo:
+            st = own.get(g, routed.get(g))
+            if config.transform and use_data and not no_data and st is not None and g.prev and st.tokens:
+                rel = _relative(g, local)
+                record = smooth_group(expert, rel, st, config, InspectCall((), {}, 0),
+                                      [n[len(local) + 1:] for n in members[g]])
+                record.pop("scales", None)
+                smoothing_info[_join(prefix, g.linears[0])] = record
+            chosen = [n[len(local) + 1:] for n in members[g]]
+            if chosen:
+                got = quantize_group(expert, None, _relative(g, local), chosen, st, config, _join(prefix, local),
+                                     rtn_only=no_data)
+                if no_data:
+                    for rec in got.values():
+                        rec["note"] = "no routed calibration token: RTN"
+                entries.update(got)
+    return entries
+
+
+def _relative(g: InputGroup, local: str) -> InputGroup:
+    """``g`` with names relative to the module ``local``."""
+    cut = len(local) + 1
+
+    def rel(n):
+        return n[cut:] if n and n.startswith(local + ".") else (None if n else n)
+
+    return replace(g, linears=tuple(rel(n) for n in g.linears), prev=rel(g.prev),
+                   inspect=rel(g.inspect) if g.inspect else None,
+                   fused_sets=tuple(tuple(rel(n) for n in f) for f in g.fused_sets))
+
+
+def _expert_stats(block, expert, local, groups, inputs, config, prefix, *, hessian) -> dict:
+    """Statistics of one expert's groups with every captured token run through it."""
+    keep = config.search_nsamples if config.transform else 0
+    out, handles = {}, []
+    try:
+        for g in groups:
+            hook_name = g.inspect if g.inspect and g.inspect.startswith(local + ".") else g.linears[0]
+            module = block.get_submodule(hook_name) if g.inspect != local else expert
+            st = InputStats(_join(prefix, g.linears[0]), keep_samples=keep,
+                            hessian_wanted=hessian and config.rounding == "gptq")
+            handles.append(module.register_forward_pre_hook(_stats_pre_hook(st), with_kwargs=True))
+            out[g] = st
+        for x in inputs:
+            expert(x.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return out
 
 
 def _capture_experts(store: list):
