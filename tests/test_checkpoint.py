@@ -143,7 +143,8 @@ def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved
     assert {"config.json", "model.safetensors", "fp4ptq_report.json", "generation_config.json",
             "tokenizer.json", "tokenizer_config.json"} <= names
     config = json.loads((path / "config.json").read_text())
-    assert config["fp4ptq"]["act_four_six"] == "mse" and config["dtype"] == "float32"
+    assert config["fp4ptq"]["act_four_six"] == "mse" and config["fp4ptq"]["dtype"] == "float32"
+    assert config["dtype"] == "bfloat16"   # what compressed-tensors runs NVFP4 in (stock loaders read it)
     assert config["architectures"] == ["LlamaForCausalLM"]
     mode = (path / "config.json").stat().st_mode & 0o777
     assert (path / "model.safetensors").stat().st_mode & 0o777 == mode and (path.stat().st_mode & 0o777) != 0o700
