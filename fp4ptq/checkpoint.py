@@ -224,40 +224,39 @@ def modelopt_config(model: nn.Module) -> dict:
     }
 
 
-def unshared_fused_scales(model: nn.Module) -> Optional[list]:
-    """Fused groups (q/k/v, gate/up per ``fp4ptq.models``) whose layers do not share
-    one weight global scale (or are not all quantized). None when the
-    architecture has no table (nothing could be checked)."""
+def fused_groups(model: nn.Module) -> Optional[list]:
+    """``[(label, full module names)]`` of each fused group (q/k/v, gate/up: one GEMM and one weight
+    global scale in serving engines): the sets discovery found when the model was quantized
+    (``fp4ptq_info["fused_groups"]``), else the ``fp4ptq.models`` table's; None when neither exists."""
     from .models import UnsupportedArchitecture, arch_spec, decoder_blocks
 
     recorded = (getattr(model, "fp4ptq_info", None) or {}).get("fused_groups")
-    if recorded is not None:   # the sets discovery found when the model was quantized
-        problems = []
-        for names in recorded:
-            modules = [model.get_submodule(n) for n in names]
-            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
-            if quantized and (len(quantized) != len(modules) or any(
-                    not torch.equal(m.weight_global_scale, quantized[0].weight_global_scale) for m in quantized)):
-                problems.append("{" + ", ".join(names) + "}")
-        return problems
+    if recorded is not None:
+        return [("{" + ", ".join(names) + "}", list(names)) for names in recorded]
     try:
         spec = arch_spec(model)
     except UnsupportedArchitecture:
         return None
+    return [(f"{spec.layers}.{index}.{{{', '.join(group.linears)}}}",
+             [f"{spec.layers}.{index}.{name}" for name in group.linears])
+            for index, _ in enumerate(decoder_blocks(model, spec)) for group in spec.groups if group.fused]
+
+
+def unshared_fused_scales(model: nn.Module) -> Optional[list]:
+    """Fused groups whose layers do not share one weight global scale (or are not all quantized).
+    None when there is no record nor table of them (nothing could be checked)."""
+    groups = fused_groups(model)
+    if groups is None:
+        return None
     problems = []
-    for index, block in enumerate(decoder_blocks(model, spec)):
-        for group in spec.groups:
-            if not group.fused:
-                continue
-            modules = [block.get_submodule(name) for name in group.linears]
-            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
-            if not quantized:
-                continue
-            first = quantized[0].weight_global_scale
-            if len(quantized) != len(modules) or any(
-                not torch.equal(m.weight_global_scale, first) for m in quantized
-            ):
-                problems.append(f"{spec.layers}.{index}.{{{', '.join(group.linears)}}}")
+    for label, names in groups:
+        modules = [model.get_submodule(name) for name in names]
+        quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
+        if not quantized:
+            continue
+        first = quantized[0].weight_global_scale
+        if len(quantized) != len(modules) or any(not torch.equal(m.weight_global_scale, first) for m in quantized):
+            problems.append(label)
     return problems
 
 
@@ -1036,7 +1035,9 @@ def check_packed_has_config(path: Path) -> None:
         files = checkpoint_files(path)
     except CheckpointError:
         return   # no safetensors files here: nothing packed to misread
-    packed = sorted(n for n in read_headers(files) if n.rpartition(".")[2] in _QUANT_BUFFERS)
+    packed = sorted((not n.endswith(".weight_packed"), n) for n in read_headers(files)
+                    if n.rpartition(".")[2] in _QUANT_BUFFERS)
+    packed = [n for _, n in packed]
     if packed:
         raise CheckpointError(
             f"{path / CONFIG_FILE} has no quantization_config, but the files hold packed NVFP4 tensors "
@@ -1067,6 +1068,7 @@ def read_report(path: Path) -> Optional[dict]:
 def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     """The model without weights (parameters on the meta device, buffers real)."""
     from accelerate import init_empty_weights
+    from huggingface_hub.errors import StrictDataclassError as HFValidationError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -1077,7 +1079,7 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
 
         linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
         return model
-    except (TypeError, AttributeError, IndexError, OverflowError) as exc:   # a field of the wrong type
+    except (TypeError, AttributeError, IndexError, OverflowError, HFValidationError) as exc:   # a retyped field
         raise CheckpointError(f"{path / CONFIG_FILE}: transformers cannot build the model from it "
                               f"({type(exc).__name__}: {exc}); the file is damaged or was edited") from exc
     except (ValueError, KeyError) as exc:
@@ -1210,7 +1212,7 @@ def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]
 
 __all__ = [
     "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
-    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
+    "checkpoint_files", "compressed_tensors_config", "fused_groups", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
     "read_json", "clean_leftovers", "is_model_output", "stored_dtype", "tensor_hashes", "validate",
     "verify_hashes", "check_packed_has_config", "config_hash",
     "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",

@@ -264,7 +264,7 @@ def _resolve_fused_ignore(model, config, patterns: Optional[list]):
 
     from torch import nn
 
-    from .models import UnsupportedArchitecture, arch_spec, decoder_blocks
+    from .checkpoint import fused_groups
 
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for pattern in patterns or []:
@@ -272,19 +272,11 @@ def _resolve_fused_ignore(model, config, patterns: Optional[list]):
         if not any(probe.is_ignored(name) for name in linears):
             raise CLIError(f"--ignore {pattern} matches no linear layer of the model (names look like "
                            f"{linears[0] if linears else 'none'})")
-    try:
-        spec = arch_spec(model)
-    except UnsupportedArchitecture:
-        return config
     extra = []
-    for index, _ in enumerate(decoder_blocks(model, spec)):
-        for group in spec.groups:
-            if not group.fused:
-                continue
-            names = [f"{spec.layers}.{index}.{linear}" for linear in group.linears]
-            ignored = [n for n in names if config.is_ignored(n)]
-            if ignored and len(ignored) < len(names):
-                extra += [n for n in names if n not in ignored]
+    for _, names in fused_groups(model) or []:
+        ignored = [n for n in names if config.is_ignored(n)]
+        if ignored and len(ignored) < len(names):
+            extra += [n for n in names if n not in ignored]
     if not extra:
         return config
     _say(f"--ignore keeps part of a fused group (q/k/v or gate/up share one GEMM and one scale in serving "
