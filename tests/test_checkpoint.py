@@ -405,8 +405,9 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
-def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
-    target = tmp_path / "ckpt"
+def kill_a_save_mid_write(target: Path, sig: int) -> int:
+    """Run a save into ``target`` in a child process, send it ``sig`` once a shard is written; its
+    return code."""
     script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target))
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -415,10 +416,15 @@ def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
                 break
         else:
             pytest.fail(f"the child never wrote a shard: {child.stderr.read()[-2000:]}")
-        os.kill(child.pid, signal.SIGKILL)
+        os.kill(child.pid, sig)
     finally:
         child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    return child.returncode
+
+
+def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
+    target = tmp_path / "ckpt"
+    assert kill_a_save_mid_write(target, signal.SIGKILL) == -signal.SIGKILL
     assert not target.exists()
     leftovers = list(tmp_path.iterdir())
     assert len(leftovers) == 1 and leftovers[0].name.startswith(".ckpt.partial-")

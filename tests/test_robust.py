@@ -24,7 +24,7 @@ import torch
 import fp4ptq
 from fp4ptq import checkpoint, cli
 from fp4ptq.checkpoint import CheckpointError
-from test_checkpoint import KILLED_SAVE, quantized_llama, tiny_tokenizer, tokens
+from test_checkpoint import kill_a_save_mid_write, quantized_llama, tiny_tokenizer, tokens
 from test_eval_perplexity import build_model, build_tokenizer, write_data_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:save. no tokenizer given")
@@ -246,15 +246,7 @@ def test_a_model_with_nothing_quantizable_says_why_at_save():
 # --------------------------------------------------------------------------- #
 def test_leftovers_of_a_killed_save_are_removed_by_the_next_run_with_a_line(tmp_path, caplog):
     target = tmp_path / "ckpt"
-    script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target))
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in child.stdout:
-            if "SHARD WRITTEN" in line:
-                break
-        os.kill(child.pid, signal.SIGTERM)
-    finally:
-        child.wait(timeout=60)
+    assert kill_a_save_mid_write(target, signal.SIGTERM) == -signal.SIGTERM
     leftovers = [p.name for p in tmp_path.iterdir()]
     assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.partial-"), leftovers
     # a kill between the two renames: the earlier checkpoint set aside, the target missing
