@@ -482,7 +482,7 @@ def cmd_inspect(args) -> int:
     elif checked["verified"] is None:
         verified = "no tensor hashes recorded (not written by fp4ptq): names, shapes and dtypes checked"
     else:
-        verified = f"all {checked['verified']} tensors match their recorded SHA-256"
+        verified = f"all {checked['verified']} tensors match their recorded hashes"
     print(f"{path.name}: {t['quantized_layers']} NVFP4 layers, {t['total_bytes'] / 2**20:.1f} MiB of tensors"
           f"{err}{share}; {verified}. Table and plot: {output / 'inspect.md'}, {png}")
     return EXIT_OK

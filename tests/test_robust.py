@@ -279,17 +279,17 @@ def test_overwrite_refuses_a_directory_that_is_not_a_model_output(src, tmp_path,
 # Byte-reproducible checkpoints
 # --------------------------------------------------------------------------- #
 def test_two_quantize_runs_give_byte_identical_directories(src, tmp_path, capsys):
-    """One run in this process and one in a fresh one (safetensors' metadata order changed per process)."""
+    """safetensors writes ``__metadata__`` in a hash-map order that changes from one save to the next
+    (1 in 6 orders alike for 3 keys), so the header is also checked to be sorted."""
     first, second = tmp_path / "one", tmp_path / "two"
-    assert run_cli(capsys, "quantize", src / "model", "-o", first, "--device", "cpu", "-q")[0] == 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "fp4ptq", "quantize", str(src / "model"), "-o", str(second),
-                          "--device", "cpu", "-q"], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
+    for out in (first, second):
+        assert run_cli(capsys, "quantize", src / "model", "-o", out, "--device", "cpu", "-q")[0] == 0
     assert tree_digest(first) == tree_digest(second)
+    raw = (first / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"]) and list(header) == sorted(header)
     report = json.loads((first / "fp4ptq_report.json").read_text())
-    headers = checkpoint.read_safetensors_header(first / "model.safetensors")
-    assert "elapsed_s" not in report and report["checkpoint"]["tensor_sha256"].keys() == headers.keys()
+    assert "elapsed_s" not in report and report["checkpoint"]["tensor_xxh3_128"].keys() == header.keys() - {"__metadata__"}
 
 
 # --------------------------------------------------------------------------- #
@@ -379,7 +379,7 @@ def test_inspect_files_get_the_umask_mode(ckpts, tmp_path, capsys):
         code, out, _ = run_cli(capsys, "inspect", ckpts["w4a16"], "-o", tmp_path / "i")
     finally:
         os.umask(old)
-    assert code == 0 and "tensors match their recorded SHA-256" in out
+    assert code == 0 and "tensors match their recorded hashes" in out
     assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "i").iterdir()} == {
         "inspect.json": 0o644, "inspect.md": 0o644, "inspect.png": 0o644}
 
