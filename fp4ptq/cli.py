@@ -116,6 +116,10 @@ def _quiet_libraries(quiet: bool) -> contextlib.AbstractContextManager:
     if hf_logging.is_progress_bar_enabled():
         hf_logging.disable_progress_bar()
         stack.callback(hf_logging.enable_progress_bar)
+    from .eval.tasks import patched, silent_tqdm
+
+    # transformers' GGUF reader draws its bar with plain tqdm, which disable_progress_bar does not reach
+    stack.enter_context(patched([("transformers.modeling_gguf_pytorch_utils", "tqdm", silent_tqdm())]))
     try:
         import datasets
     except ImportError:

@@ -257,23 +257,17 @@ def _quiet_git_hash() -> Optional[str]:
 
 
 @contextmanager
-def _lm_eval_console(quiet: bool):
-    """Within the block, lm-eval asks git quietly and, when ``quiet``, draws no progress bars."""
+def patched(patches: list):
+    """Within the block, each ``(module name, attribute, value)`` is set (modules that cannot be
+    imported or lack the attribute are left alone); the old values come back on exit."""
     import importlib
 
-    from tqdm import tqdm
-
-    class _Silent(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    patches = [("lm_eval.evaluator", "get_git_commit_hash", _quiet_git_hash)]
-    if quiet:
-        patches += [(m, "tqdm", _Silent) for m in ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")]
     saved = []
     for module_name, attr, value in patches:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:   # an optional part not installed: nothing to patch
+            continue
         if hasattr(module, attr):
             saved.append((module, attr, getattr(module, attr)))
             setattr(module, attr, value)
@@ -282,6 +276,27 @@ def _lm_eval_console(quiet: bool):
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)
+
+
+def silent_tqdm():
+    """A ``tqdm`` that draws nothing, for modules that create bars with no off switch."""
+    from tqdm.auto import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
+
+
+def _lm_eval_console(quiet: bool):
+    """Within the block, lm-eval asks git quietly and, when ``quiet``, draws no progress bars."""
+    patches = [("lm_eval.evaluator", "get_git_commit_hash", _quiet_git_hash)]
+    if quiet:
+        patches += [(m, "tqdm", silent_tqdm())
+                    for m in ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")]
+    return patched(patches)
 
 
 def run_tasks(
