@@ -38,7 +38,7 @@ transformers + compressed-tensors run the checkpoint with default arguments.
 
 Files are byte-reproducible (sorted safetensors metadata; no timings in the
 report), and the report holds a hash per tensor (``checkpoint.tensor_xxh3_128``: XXH3-128 of
-its dtype, shape and bytes as stored; ~30 GB/s, about 3% of a load) and of config.json
+its dtype, shape and bytes as stored; about 5% of the demo model's load time) and of config.json
 (``checkpoint.config_sha256``), which ``load(verify=True)`` and ``fp4ptq inspect`` check.
 
 Writes are atomic: everything goes to a hidden directory beside the target,
@@ -375,7 +375,7 @@ def clean_leftovers(target: str | Path) -> list:
         return []
     lines = []
     for kind in ("replaced", "partial"):
-        for leftover in sorted(target.parent.glob(f".{glob_escape(target.name)}.{kind}-*")):
+        for leftover in sorted(target.parent.glob(f".{_glob_escape(target.name)}.{kind}-*")):
             if not leftover.is_dir():
                 continue
             if kind == "replaced" and not target.exists():
@@ -390,7 +390,7 @@ def clean_leftovers(target: str | Path) -> list:
     return lines
 
 
-def glob_escape(name: str) -> str:
+def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
@@ -483,7 +483,7 @@ def tensor_hashes(files: Iterable[str | Path], headers: Optional[dict] = None) -
             (length,) = struct.unpack("<Q", handle.read(8))
             view = b""   # no tensor bytes: mmap refuses an empty map
             if os.fstat(handle.fileno()).st_size > 8 + length:
-                    view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             try:
                 with memoryview(view) as data:
                     for name, info in entries:
@@ -1110,7 +1110,7 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
             describes (others load unfused); True: on any device, and an architecture without
             a table is an error; False: never. Moving the model afterwards dissolves the groups.
     verify: check config.json and every tensor's bytes against the hashes the report recorded at save time
-            (``CheckpointError`` on a mismatch; about 3% of the load time); skipped for checkpoints
+            (``CheckpointError`` on a mismatch; about 5% of the load time); skipped for checkpoints
             without hashes.
     """
     from safetensors import SafetensorError, safe_open
