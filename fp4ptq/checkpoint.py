@@ -853,6 +853,19 @@ def _args_problem(args, expected: dict, what: str) -> Optional[str]:
     return None
 
 
+def _patterns_problem(patterns, what: str) -> Optional[str]:
+    """What is wrong with a list of compressed-tensors targets (None: nothing)."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        return f"{what} is {patterns!r}, not a list of names"
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                return f"{what}: bad regex {pattern!r} ({exc})"
+    return None
+
+
 def parse_quantization_config(qcfg, where: str) -> tuple:
     """Check a compressed-tensors ``quantization_config`` describes NVFP4 that
     fp4ptq runs; return ``([(targets, scheme), ...], ignore)``."""
@@ -872,7 +885,18 @@ def parse_quantization_config(qcfg, where: str) -> tuple:
     if (qcfg.get("quantization_status") or "compressed") != "compressed":
         problems.append(f"quantization_status = {qcfg.get('quantization_status')!r} (needs 'compressed')")
     groups = []
-    for name, group in (qcfg.get("config_groups") or {}).items():
+    config_groups = qcfg.get("config_groups") or {}
+    if not isinstance(config_groups, dict):
+        problems.append(f"config_groups is {type(config_groups).__name__}, not an object")
+        config_groups = {}
+    for name, group in config_groups.items():
+        if not isinstance(group, dict):
+            problems.append(f"group {name} is {type(group).__name__}, not an object")
+            continue
+        targets_problem = _patterns_problem(group.get("targets"), f"group {name}.targets")
+        if targets_problem:
+            problems.append(targets_problem)
+            continue
         fmt = group.get("format") or qcfg.get("format")
         if fmt != CT_FORMAT:
             problems.append(f"group {name}: format {fmt!r} (fp4ptq reads {CT_FORMAT!r})")
@@ -885,8 +909,11 @@ def parse_quantization_config(qcfg, where: str) -> tuple:
         if problem:
             problems.append(problem)
         groups.append((list(group.get("targets") or []), "w4a4" if inputs else "w4a16"))
-    if not groups:
+    if not groups and not problems:
         problems.append("config_groups is empty")
+    ignore_problem = _patterns_problem(qcfg.get("ignore") or [], "ignore")
+    if ignore_problem:
+        problems.append(ignore_problem)
     if problems:
         raise CheckpointError(f"{where}: quantization_config is not NVFP4 as fp4ptq runs it: " + "; ".join(problems))
     return groups, list(qcfg.get("ignore") or [])
