@@ -744,7 +744,7 @@ def _entry_problem(name, entry) -> Optional[str]:
     unknown = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
     if unknown:
         return f"tensor {name!r}: unknown field(s) {unknown}"
-    if entry["dtype"] not in _ST_DTYPES:
+    if not isinstance(entry["dtype"], str) or entry["dtype"] not in _ST_DTYPES:
         return f"tensor {name!r}: field 'dtype' is {entry['dtype']!r}, not a safetensors dtype fp4ptq reads"
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
@@ -1099,20 +1099,12 @@ def read_report(path: Path) -> Optional[dict]:
 def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     """The model without weights (parameters on the meta device, buffers real)."""
     from accelerate import init_empty_weights
-    from huggingface_hub.errors import StrictDataclassError as HFValidationError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(path)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        from .experts import linearize_model
-
-        linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
-        return model
-    except (TypeError, AttributeError, IndexError, OverflowError, HFValidationError) as exc:   # a retyped field
-        raise CheckpointError(f"{path / CONFIG_FILE}: transformers cannot build the model from it "
-                              f"({type(exc).__name__}: {exc}); the file is damaged or was edited") from exc
     except (ValueError, KeyError) as exc:
         import transformers
 
@@ -1120,6 +1112,13 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
             f"{path / CONFIG_FILE}: unsupported model type ({exc}). fp4ptq.load builds the model with "
             f"transformers {transformers.__version__} AutoModelForCausalLM; upgrade transformers or check model_type"
         ) from exc
+    except Exception as exc:  # noqa: BLE001 - config.json is input: whatever transformers raises on a bad field
+        raise CheckpointError(f"{path / CONFIG_FILE}: transformers cannot build the model from it "
+                              f"({type(exc).__name__}: {exc}); the file is damaged or was edited") from exc
+    from .experts import linearize_model
+
+    linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
+    return model
 
 
 def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
