@@ -140,7 +140,7 @@ def _load_model(spec: Optional[str], device: str, dtype):
         import fp4ptq
 
         path = Path(spec).expanduser()
-        model = fp4ptq.load(path, device=device, dtype=dtype)
+        model = fp4ptq.load(path, device=device, dtype=dtype, verify=True)   # negligible next to an evaluation
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as exc:

@@ -182,8 +182,8 @@ def test_swapped_tensor_offsets_are_caught_by_the_recorded_hashes(ckpts, tmp_pat
     _edit_header(bad / "model.safetensors", swap)
     checkpoint.validate(ckpts["w4a16"])   # the original passes
     with pytest.raises(CheckpointError, match=r"integrity check failed.*2 tensor\(s\).*o_proj\.weight_packed"):
-        fp4ptq.load(bad, device="cpu")
-    fp4ptq.load(bad, device="cpu", verify=False)   # what every loader did before: accepted silently
+        fp4ptq.load(bad, device="cpu", verify=True)
+    fp4ptq.load(bad, device="cpu")   # unverified (the default), what every loader did before: accepted silently
     code, _, err = run_cli(capsys, "inspect", bad, "-o", tmp_path / "i")
     assert code == cli.EXIT_UNSUPPORTED and "integrity check failed" in err
 
@@ -353,7 +353,7 @@ def test_random_header_and_config_mutations_give_exact_logits_or_a_checkpoint_er
         path = shutil.copytree(source, tmp_path_factory.mktemp("mut") / "c")
         _mutate(path, mutation)
         try:
-            model = fp4ptq.load(path, device="cpu")
+            model = fp4ptq.load(path, device="cpu", verify=True)
         except CheckpointError:
             return
         with torch.no_grad():
