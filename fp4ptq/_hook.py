@@ -13,16 +13,12 @@ import importlib.abc
 import sys
 
 TARGET = "transformers.quantizers.auto"
-# Set when transformers' table finished loading while fp4ptq.hf itself was being
-# imported (hf imports the table at its top): hf registers when it is done.
-pending = False
 
 
 def _register_now() -> None:
-    global pending
     hf = sys.modules.get("fp4ptq.hf")
     if hf is not None and not hasattr(hf, "register"):
-        pending = True
+        # fp4ptq.hf is being imported (it imports the table at its top): it registers at its own end.
         return
     importlib.import_module("fp4ptq.hf").register()
 

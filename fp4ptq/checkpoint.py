@@ -28,10 +28,27 @@ which is still a correct NVFP4 model.
 ``hf_quant_config.json``). ModelOpt stores multipliers where compressed-tensors
 stores divisors; ``divisor_to_multiplier`` is the one place that converts.
 
+Unquantized tensors are stored in the source model's dtype (``save(dtype=...)``;
+default: the dtype the source model was stored in when recorded, else the
+model's), recorded as ``config.json``'s ``fp4ptq.dtype``. ``config.json``'s own
+``dtype`` is ``bfloat16`` on every compressed-tensors checkpoint: compressed-tensors
+decompresses NVFP4 weights to bf16 only, so that is the one dtype in which stock
+transformers + compressed-tensors run the checkpoint with default arguments.
+``fp4ptq.load`` computes in the stored dtype unless told otherwise.
+
+Files are byte-reproducible (sorted safetensors metadata; no timings in the
+report), and the report holds a hash per tensor (``checkpoint.tensor_xxh3_128``: XXH3-128 of
+its dtype, shape and bytes as stored) and of config.json (``checkpoint.config_sha256``), which
+``load(verify=True)``, ``fp4ptq inspect`` and ``fp4ptq eval`` check. Off by default in ``load``:
+``load`` maps the files lazily, so reading every byte to hash it costs 5% of the demo model's load
+time but 23% of Qwen2.5-0.5B's (711 MiB, warm file cache), above the 10% such a default may cost.
+
 Writes are atomic: everything goes to a hidden directory beside the target,
 is fsynced, then renamed. A killed save leaves only that hidden
 ``.NAME.partial-XXXXXXXX`` directory (config.json is written last, so even it
-never looks complete), never a half-written ``NAME``.
+never looks complete), never a half-written ``NAME``; the next save into the
+same target removes it (and puts back a ``.NAME.replaced-XXXXXXXX`` copy if a
+kill came between the two renames), with a log line saying so.
 
 ``load`` builds the model skeleton without allocating weights (parameters on
 the meta device), swaps in ``NVFP4Linear`` modules, checks every tensor's
@@ -41,8 +58,11 @@ assigns the packed tensors as they are: no dequantized copy of any weight.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import mmap
 import os
 import re
 import shutil
@@ -55,6 +75,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
+import xxhash
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -94,6 +115,14 @@ _ST_DTYPES = {
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+# The dtype compressed-tensors decompresses NVFP4 weights to (its unpack default, no option), hence the
+# config.json "dtype" under which stock transformers runs our checkpoints with default arguments.
+STOCK_RUN_DTYPE = torch.bfloat16
+# Report keys holding run times: kept out of the written report so identical runs give identical files.
+TIMING_KEYS = ("elapsed_s", "seconds")
+HASHES_KEY = "tensor_xxh3_128"
+CONFIG_HASH_KEY = "config_sha256"
+_log = logging.getLogger("fp4ptq")
 
 
 class CheckpointError(ValueError):
@@ -199,40 +228,39 @@ def modelopt_config(model: nn.Module) -> dict:
     }
 
 
-def unshared_fused_scales(model: nn.Module) -> Optional[list]:
-    """Fused groups (q/k/v, gate/up per ``fp4ptq.models``) whose layers do not share
-    one weight global scale (or are not all quantized). None when the
-    architecture has no table (nothing could be checked)."""
+def fused_groups(model: nn.Module) -> Optional[list]:
+    """``[(label, full module names)]`` of each fused group (q/k/v, gate/up: one GEMM and one weight
+    global scale in serving engines): the sets discovery found when the model was quantized
+    (``fp4ptq_info["fused_groups"]``), else the ``fp4ptq.models`` table's; None when neither exists."""
     from .models import UnsupportedArchitecture, arch_spec, decoder_blocks
 
     recorded = (getattr(model, "fp4ptq_info", None) or {}).get("fused_groups")
-    if recorded is not None:   # the sets discovery found when the model was quantized
-        problems = []
-        for names in recorded:
-            modules = [model.get_submodule(n) for n in names]
-            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
-            if quantized and (len(quantized) != len(modules) or any(
-                    not torch.equal(m.weight_global_scale, quantized[0].weight_global_scale) for m in quantized)):
-                problems.append("{" + ", ".join(names) + "}")
-        return problems
+    if recorded is not None:
+        return [("{" + ", ".join(names) + "}", list(names)) for names in recorded]
     try:
         spec = arch_spec(model)
     except UnsupportedArchitecture:
         return None
+    return [(f"{spec.layers}.{index}.{{{', '.join(group.linears)}}}",
+             [f"{spec.layers}.{index}.{name}" for name in group.linears])
+            for index, _ in enumerate(decoder_blocks(model, spec)) for group in spec.groups if group.fused]
+
+
+def unshared_fused_scales(model: nn.Module) -> Optional[list]:
+    """Fused groups whose layers do not share one weight global scale (or are not all quantized).
+    None when there is no record nor table of them (nothing could be checked)."""
+    groups = fused_groups(model)
+    if groups is None:
+        return None
     problems = []
-    for index, block in enumerate(decoder_blocks(model, spec)):
-        for group in spec.groups:
-            if not group.fused:
-                continue
-            modules = [block.get_submodule(name) for name in group.linears]
-            quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
-            if not quantized:
-                continue
-            first = quantized[0].weight_global_scale
-            if len(quantized) != len(modules) or any(
-                not torch.equal(m.weight_global_scale, first) for m in quantized
-            ):
-                problems.append(f"{spec.layers}.{index}.{{{', '.join(group.linears)}}}")
+    for label, names in groups:
+        modules = [model.get_submodule(name) for name in names]
+        quantized = [m for m in modules if isinstance(m, NVFP4Linear)]
+        if not quantized:
+            continue
+        first = quantized[0].weight_global_scale
+        if len(quantized) != len(modules) or any(not torch.equal(m.weight_global_scale, first) for m in quantized):
+            problems.append(label)
     return problems
 
 
@@ -262,6 +290,19 @@ def _state_dict(model: nn.Module) -> dict:
         elif tensor.is_floating_point():
             nvfp4.check_finite(tensor, name)
     return state
+
+
+def _stored_dtypes(state: dict, layers: dict, dtype: torch.dtype) -> dict:
+    """``state`` with every floating tensor but the quantized buffers in ``dtype`` (the packed codes,
+    block scales and fp32 global scales keep theirs)."""
+    quant_names = {f"{name}.{buffer}" for name in layers for buffer in _QUANT_BUFFERS}
+    out = {}
+    for name, tensor in state.items():
+        if name not in quant_names and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+            nvfp4.check_finite(tensor, f"{name} in {dtype}")   # e.g. an fp32 value beyond fp16's range
+        out[name] = tensor
+    return out
 
 
 def _modelopt_state_dict(state: dict, layers: dict) -> dict:
@@ -306,13 +347,53 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def is_model_output(path: Path) -> bool:
+    """Whether ``overwrite`` may replace the directory ``path``: empty, or a model as fp4ptq or
+    Hugging Face write them (a ``config.json`` or an fp4ptq report)."""
+    return not any(path.iterdir()) or (path / CONFIG_FILE).is_file() or (path / REPORT_FILE).is_file()
+
+
 def _check_target(target: Path, overwrite: bool) -> None:
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory; choose another output path")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise CheckpointError(
-            f"{target} already exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
-        )
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise CheckpointError(
+                f"{target} already exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
+            )
+        if not is_model_output(target):
+            raise CheckpointError(
+                f"{target} is not a model directory (no {CONFIG_FILE} nor {REPORT_FILE}) and is not empty: "
+                "overwrite only replaces an earlier checkpoint; choose another output path"
+            )
+
+
+def clean_leftovers(target: str | Path) -> list:
+    """Remove what a killed save into ``target`` left beside it: ``.NAME.partial-*`` directories, and
+    ``.NAME.replaced-*`` ones (the previous checkpoint, set aside just before the final rename: it is
+    put back as ``NAME`` when ``NAME`` is missing). Returns the lines it logged."""
+    target = Path(target).expanduser().absolute()
+    if not target.parent.is_dir():
+        return []
+    lines = []
+    for kind in ("replaced", "partial"):
+        for leftover in sorted(target.parent.glob(f".{_glob_escape(target.name)}.{kind}-*")):
+            if not leftover.is_dir():
+                continue
+            if kind == "replaced" and not target.exists():
+                os.rename(leftover, target)
+                lines.append(f"put back {target} from {leftover.name} (a save into it was interrupted)")
+            else:
+                size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file())
+                shutil.rmtree(leftover)
+                lines.append(f"removed {leftover} ({size / 2**20:.1f} MiB), left by an interrupted save")
+    for line in lines:
+        _log.warning("fp4ptq: %s", line)
+    return lines
+
+
+def _glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 @contextmanager
@@ -321,6 +402,7 @@ def atomic_directory(target: str | Path, overwrite: bool = False):
     files and rename it to ``target`` (replacing it only with ``overwrite``);
     on error remove it. A killed process leaves ``.NAME.partial-XXXXXXXX``."""
     target = Path(target).expanduser().absolute()
+    clean_leftovers(target)
     _check_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -367,12 +449,69 @@ def _write_shards(state: dict, directory: Path, max_shard_size, metadata: dict) 
                                 disable=len(split.filename_to_tensors) < 2):
         shard = {name: state[name].detach().to("cpu").contiguous() for name in names}
         save_file(shard, str(directory / filename), metadata={"format": "pt", **metadata})
+        _sort_header(directory / filename)
         # safetensors writes through a private temp file (mode 0600): give shards the usual mode.
         os.chmod(directory / filename, 0o666 & ~umask)
         files[filename] = (directory / filename).stat().st_size
     if split.is_sharded:
         _write_json(directory / INDEX_FILE, {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename})
     return files
+
+
+def _sort_header(file: Path) -> None:
+    """safetensors writes ``__metadata__`` from a hash map, in an order that changes from one process
+    to the next: rewrite the header in place with sorted keys (the same compact JSON, so never longer;
+    padded with spaces, as the format allows), so identical tensors give identical files."""
+    with open(file, "r+b") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > length:   # cannot happen for safetensors' own compact JSON
+            raise CheckpointError(f"{file}: cannot sort its header in place")
+        handle.seek(8)
+        handle.write(text.ljust(length, b" "))
+
+
+def tensor_hashes(files: Iterable[str | Path], headers: Optional[dict] = None) -> dict:
+    """``{tensor name: XXH3-128 hex}`` of each tensor's header dtype and shape and its bytes as stored in
+    ``files`` (read through mmap, at the offsets the headers declare)."""
+    headers = headers if headers is not None else read_headers(files)
+    by_file: dict = {}
+    for name, info in headers.items():
+        by_file.setdefault(info.file, []).append((name, info))
+    out = {}
+    for file, entries in by_file.items():
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            view = b""   # no tensor bytes: mmap refuses an empty map
+            if os.fstat(handle.fileno()).st_size > 8 + length:
+                view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with memoryview(view) as data:
+                    for name, info in entries:
+                        begin, end = info.offsets
+                        digest = xxhash.xxh3_128(f"{info.dtype} {list(info.shape)}\n".encode())
+                        digest.update(data[8 + length + begin: 8 + length + end])
+                        out[name] = digest.hexdigest()
+            finally:
+                if not isinstance(view, bytes):
+                    view.close()
+    return out
+
+
+def config_hash(config: dict) -> str:
+    """SHA-256 of config.json's content (key order and formatting do not count)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _strip_timings(data):
+    """``data`` without the run-time keys (TIMING_KEYS), at any depth."""
+    if isinstance(data, dict):
+        return {k: _strip_timings(v) for k, v in data.items() if k not in TIMING_KEYS}
+    if isinstance(data, list):
+        return [_strip_timings(v) for v in data]
+    return data
 
 
 def _save_tokenizer(model: nn.Module, tokenizer, directory: Path) -> Optional[str]:
@@ -390,19 +529,23 @@ def _save_tokenizer(model: nn.Module, tokenizer, directory: Path) -> Optional[st
     return None
 
 
-def _config_dict(model: nn.Module, quantization_config: dict, layers: dict, dtype: torch.dtype) -> dict:
+def _config_dict(model: nn.Module, quantization_config: dict, layers: dict, dtype: torch.dtype,
+                 format: str = "compressed-tensors") -> dict:
     from . import __version__
 
     config = json.loads(model.config.to_json_string(use_diff=True))
     config["quantization_config"] = quantization_config
     # Engines (vLLM, SGLang, TensorRT-LLM) pick the model class from it; GGUF-built configs lack it.
     config["architectures"] = config.get("architectures") or [type(model).__name__]
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    stored = str(dtype).removeprefix("torch.")
+    run = STOCK_RUN_DTYPE if format == "compressed-tensors" else dtype
+    config["dtype"] = str(run).removeprefix("torch.")
     config.pop("torch_dtype", None)
     # A quantized tied target (e.g. lm_head tied to the embeddings) is no longer tied.
     if any(target.removesuffix(".weight") in layers for target in _tied_targets(model)):
         config["tie_word_embeddings"] = False
-    config[FP4PTQ_KEY] = {"version": __version__, "act_four_six": _act_four_six(layers), "report": REPORT_FILE}
+    config[FP4PTQ_KEY] = {"version": __version__, "act_four_six": _act_four_six(layers), "report": REPORT_FILE,
+                          "dtype": stored}
     return config
 
 
@@ -411,6 +554,33 @@ def _model_dtype(model: nn.Module, layers: dict) -> torch.dtype:
     if floats:
         return max(set(floats), key=floats.count)
     return next(iter(layers.values())).dtype
+
+
+def _dtype_named(name) -> Optional[torch.dtype]:
+    dtype = getattr(torch, str(name or "").removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def stored_dtype(model: nn.Module, layers: dict) -> torch.dtype:
+    """What ``save`` stores unquantized tensors in by default: the dtype the source model was stored
+    in (``fp4ptq_info["source"]["dtype"]``, recorded by ``load_source_model`` via the CLI), else the
+    dtype of the checkpoint the model was loaded from, else the model's own."""
+    info = getattr(model, "fp4ptq_info", None) or {}
+    for record in (info.get("source"), info.get("checkpoint")):
+        dtype = _dtype_named((record or {}).get("dtype"))
+        if dtype is not None:
+            return dtype
+    return _model_dtype(model, layers)
+
+
+def _no_layers_error(model: nn.Module) -> CheckpointError:
+    high = (getattr(model, "fp4ptq_info", None) or {}).get("high_precision") or {}
+    if high:
+        reasons = sorted({reason for reason in high.values()})
+        return CheckpointError(
+            f"no layer could be quantized: all {len(high)} linears stay in high precision ("
+            + "; ".join(reasons[:3]) + "), so there is nothing to save as NVFP4")
+    return CheckpointError("the model has no NVFP4Linear layers: quantize it (fp4ptq.quantize) before saving")
 
 
 def _base_report(model: nn.Module, layers: dict) -> dict:
@@ -481,6 +651,7 @@ def save(
     format: str = "compressed-tensors",
     max_shard_size: int | str = "5GB",
     check_fused_scales: bool = True,
+    dtype: Optional[torch.dtype] = None,
 ) -> Path:
     """Write ``model`` (with ``NVFP4Linear`` layers) as a packed checkpoint at ``path``.
 
@@ -490,13 +661,15 @@ def save(
     check_fused_scales: q/k/v and gate/up must share one weight global scale
             (engines fuse them into one GEMM with one scale); a model that breaks
             this is an error unless this is False.
+    dtype:  dtype of the unquantized tensors on disk (default: ``stored_dtype``, the
+            source model's); the packed codes and scales keep theirs.
     Returns the checkpoint directory.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {FORMATS}")
     layers = nvfp4_layers(model)
     if not layers:
-        raise CheckpointError("the model has no NVFP4Linear layers: quantize it (fp4ptq.quantize) before saving")
+        raise _no_layers_error(model)
     if getattr(model, "config", None) is None:
         raise CheckpointError(f"{type(model).__name__} has no Hugging Face config; save needs a transformers model")
     unshared = unshared_fused_scales(model)
@@ -504,12 +677,14 @@ def save(
         raise CheckpointError(
             f"fused layers do not share one weight global scale in {len(unshared)} place(s), e.g. "
             f"{unshared[:3]}; engines that fuse q/k/v and gate/up (vLLM, SGLang, TensorRT-LLM) use one "
-            "scale for the fused matrix and would decode these wrongly. Quantize with a shared amax "
-            "(fp4ptq.quantize does), or pass check_fused_scales=False for a checkpoint only fp4ptq/transformers load"
+            "scale for the fused matrix and would decode these wrongly. A group partly kept in high precision "
+            "(QuantConfig.ignore naming one member) must be ignored whole: name every member (the CLI's "
+            "--ignore does so itself); quantize with a shared amax (fp4ptq.quantize does); or, for a "
+            "checkpoint only fp4ptq/transformers load, pass check_fused_scales=False (Python API only)"
         )
-    dtype = _model_dtype(model, layers)
-    state = _state_dict(model)
-    report = _base_report(model, layers)
+    dtype = dtype or stored_dtype(model, layers)
+    state = _stored_dtypes(_state_dict(model), layers, dtype)
+    report = _strip_timings(_base_report(model, layers))
     if format == "modelopt":
         quantization_config = {"quant_method": "modelopt", **modelopt_config(model)["quantization"]}
         tensors = _modelopt_state_dict(state, layers)
@@ -517,7 +692,7 @@ def save(
         quantization_config = compressed_tensors_config(model)
         tensors = state
     tensors, quantization_config = _original_names(model, tensors, quantization_config)
-    config = _config_dict(model, quantization_config, layers, dtype)
+    config = _config_dict(model, quantization_config, layers, dtype, format)
 
     with atomic_directory(path, overwrite) as directory:
         files = _write_shards(tensors, directory, max_shard_size, {"producer": "fp4ptq", "layout": format})
@@ -530,7 +705,7 @@ def save(
         report["checkpoint"] = {
             "format": format,
             "layout": CT_FORMAT if format == "compressed-tensors" else "modelopt NVFP4",
-            "dtype": config["dtype"],
+            "dtype": config[FP4PTQ_KEY]["dtype"],
             "files": files,
             "file_bytes": sum(files.values()),
             "tensor_bytes": _tensor_bytes(state, layers),
@@ -538,6 +713,8 @@ def save(
             else ("shared" if not unshared else f"NOT shared: {unshared}"),
             "tokenizer": tokenizer_source,
             "act_four_six": config[FP4PTQ_KEY]["act_four_six"],
+            HASHES_KEY: tensor_hashes([directory / name for name in files]),
+            CONFIG_HASH_KEY: config_hash(config),
         }
         _write_json(directory / REPORT_FILE, report)
         _write_json(directory / CONFIG_FILE, config)   # last: a partial directory never has it
@@ -552,6 +729,36 @@ class TensorInfo:
     dtype: str            # safetensors dtype name, e.g. "F8_E4M3"
     shape: tuple
     file: str
+    offsets: tuple = (0, 0)   # [begin, end) in the data section
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(name, entry) -> Optional[str]:
+    """What is wrong with one tensor entry of a safetensors header (None: nothing)."""
+    if not isinstance(entry, dict):
+        return f"tensor {name!r}: its entry is {type(entry).__name__}, not an object"
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in entry:
+            return f"tensor {name!r}: field {field!r} is missing"
+    unknown = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
+    if unknown:
+        return f"tensor {name!r}: unknown field(s) {unknown}"
+    if not isinstance(entry["dtype"], str) or entry["dtype"] not in _ST_DTYPES:
+        return f"tensor {name!r}: field 'dtype' is {entry['dtype']!r}, not a safetensors dtype fp4ptq reads"
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        return f"tensor {name!r}: field 'shape' is {shape!r}, not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        return f"tensor {name!r}: field 'data_offsets' is {offsets!r}, not [begin, end]"
+    nbytes = math.prod(shape) * _ST_DTYPES[entry["dtype"]].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        return (f"tensor {name!r}: field 'data_offsets' spans {offsets[1] - offsets[0]} bytes but its shape "
+                f"{shape} {entry['dtype']} needs {nbytes}")
+    return None
 
 
 def read_safetensors_header(file: str | Path) -> dict:
@@ -572,19 +779,31 @@ def read_safetensors_header(file: str | Path) -> dict:
             )
         try:
             header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CheckpointError(f"{file}: corrupt safetensors header ({exc})") from exc
-    tensors, data_end = {}, 0
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file}: corrupt safetensors header: field '__metadata__' is not an object of "
+                              "strings; the file is damaged")
+    tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        dtype = _ST_DTYPES.get(entry["dtype"])
-        if dtype is not None and (end - begin) != math.prod(entry["shape"]) * dtype.itemsize:
-            raise CheckpointError(f"{file}: tensor {name} declares shape {entry['shape']} {entry['dtype']} "
-                                  f"but {end - begin} bytes; the file is corrupt")
-        data_end = max(data_end, end)
-        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), str(file))
+        problem = _entry_problem(name, entry)
+        if problem:
+            raise CheckpointError(f"{file}: corrupt safetensors header: {problem}; the file is damaged")
+        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), str(file), tuple(entry["data_offsets"]))
+    # The data section is the tensors back to back, without gaps or overlaps (the format's rule).
+    data_end = 0
+    for name, info in sorted(tensors.items(), key=lambda item: item[1].offsets):
+        if info.offsets[0] != data_end:
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: tensor {name!r} field 'data_offsets' {list(info.offsets)} "
+                f"{'overlaps the previous tensor' if info.offsets[0] < data_end else 'leaves a gap'} "
+                f"(expected it to begin at {data_end}); the file is damaged")
+        data_end = info.offsets[1]
     expected = 8 + header_len + data_end
     if size < expected:
         raise CheckpointError(
@@ -636,6 +855,19 @@ def _args_problem(args, expected: dict, what: str) -> Optional[str]:
     return None
 
 
+def _patterns_problem(patterns, what: str) -> Optional[str]:
+    """What is wrong with a list of compressed-tensors targets (None: nothing)."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        return f"{what} is {patterns!r}, not a list of names"
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                return f"{what}: bad regex {pattern!r} ({exc})"
+    return None
+
+
 def parse_quantization_config(qcfg, where: str) -> tuple:
     """Check a compressed-tensors ``quantization_config`` describes NVFP4 that
     fp4ptq runs; return ``([(targets, scheme), ...], ignore)``."""
@@ -655,7 +887,18 @@ def parse_quantization_config(qcfg, where: str) -> tuple:
     if (qcfg.get("quantization_status") or "compressed") != "compressed":
         problems.append(f"quantization_status = {qcfg.get('quantization_status')!r} (needs 'compressed')")
     groups = []
-    for name, group in (qcfg.get("config_groups") or {}).items():
+    config_groups = qcfg.get("config_groups") or {}
+    if not isinstance(config_groups, dict):
+        problems.append(f"config_groups is {type(config_groups).__name__}, not an object")
+        config_groups = {}
+    for name, group in config_groups.items():
+        if not isinstance(group, dict):
+            problems.append(f"group {name} is {type(group).__name__}, not an object")
+            continue
+        targets_problem = _patterns_problem(group.get("targets"), f"group {name}.targets")
+        if targets_problem:
+            problems.append(targets_problem)
+            continue
         fmt = group.get("format") or qcfg.get("format")
         if fmt != CT_FORMAT:
             problems.append(f"group {name}: format {fmt!r} (fp4ptq reads {CT_FORMAT!r})")
@@ -668,8 +911,11 @@ def parse_quantization_config(qcfg, where: str) -> tuple:
         if problem:
             problems.append(problem)
         groups.append((list(group.get("targets") or []), "w4a4" if inputs else "w4a16"))
-    if not groups:
+    if not groups and not problems:
         problems.append("config_groups is empty")
+    ignore_problem = _patterns_problem(qcfg.get("ignore") or [], "ignore")
+    if ignore_problem:
+        problems.append(ignore_problem)
     if problems:
         raise CheckpointError(f"{where}: quantization_config is not NVFP4 as fp4ptq runs it: " + "; ".join(problems))
     return groups, list(qcfg.get("ignore") or [])
@@ -774,9 +1020,73 @@ def read_json(file: Path) -> dict:
 
 
 def _config_dtype(config_dict: dict) -> torch.dtype:
-    name = config_dict.get("dtype") or config_dict.get("torch_dtype") or "bfloat16"
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+    """The stored dtype of the unquantized tensors (``fp4ptq.dtype``), else config.json's ``dtype``."""
+    ours = config_dict.get(FP4PTQ_KEY)
+    for name in ((ours or {}).get("dtype") if isinstance(ours, dict) else None,
+                 config_dict.get("dtype"), config_dict.get("torch_dtype")):
+        dtype = _dtype_named(name)
+        if dtype is not None:
+            return dtype
+    return torch.bfloat16
+
+
+def verify_hashes(path: Path, headers: dict, report: Optional[dict]) -> Optional[int]:
+    """Check config.json and every tensor (dtype, shape, bytes) against the hashes the report
+    recorded at save time (swapped offsets, flipped bits, an edited field); returns how many tensors
+    were checked (None: the checkpoint records no hashes, e.g. one written by another tool)."""
+    record = (report or {}).get("checkpoint") or {}
+    recorded = record.get(HASHES_KEY) if isinstance(record, dict) else None
+    if recorded is None:
+        return None
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{path / REPORT_FILE}: field checkpoint.{HASHES_KEY} is not an object; the file is damaged")
+    problems = []
+    if record.get(CONFIG_HASH_KEY) != config_hash(read_json(path / CONFIG_FILE)):
+        problems.append(f"{CONFIG_FILE} differs from the one saved (edited after saving?)")
+    if set(recorded) != set(headers):
+        missing, extra = sorted(set(recorded) - set(headers)), sorted(set(headers) - set(recorded))
+        problems.append(f"the files lack {missing[:5]}" if missing else f"the files hold unrecorded {extra[:5]}")
+    actual = tensor_hashes([], headers)
+    bad = sorted(n for n in actual if n in recorded and recorded[n] != actual[n])
+    if bad:
+        problems.append(f"{len(bad)} tensor(s) whose bytes differ from the ones saved, e.g. "
+                        + ", ".join(f"{n} in {Path(headers[n].file).name}" for n in bad[:3]))
+    if problems:
+        raise CheckpointError(f"{path}: integrity check failed against {REPORT_FILE}: " + "; ".join(problems)
+                              + ". The checkpoint is damaged or was edited after saving; re-copy or re-create it "
+                              "(fp4ptq.load without verify=True accepts it as it is)")
+    return len(actual)
+
+
+def check_packed_has_config(path: Path) -> None:
+    """A model directory whose safetensors files hold packed NVFP4 tensors must say how to read them:
+    without a valid ``quantization_config`` it is damaged, not a full-precision model."""
+    config = read_json(path / CONFIG_FILE)
+    if isinstance(config.get("quantization_config"), dict):
+        return
+    try:
+        files = checkpoint_files(path)
+    except CheckpointError:
+        return   # no safetensors files here: nothing packed to misread
+    packed = sorted((not n.endswith(".weight_packed"), n) for n in read_headers(files)
+                    if n.rpartition(".")[2] in _QUANT_BUFFERS)
+    packed = [n for _, n in packed]
+    if packed:
+        raise CheckpointError(
+            f"{path / CONFIG_FILE} has no quantization_config, but the files hold packed NVFP4 tensors "
+            f"({packed[0]}, ...): the checkpoint's config.json is damaged or was replaced. Restore the "
+            "config.json that fp4ptq.save wrote (or re-create the checkpoint)")
+
+
+def read_report_checked(path: Path) -> Optional[dict]:
+    """``read_report`` with a damaged report as a ``CheckpointError``."""
+    file = path / REPORT_FILE
+    if not file.is_file():
+        return None
+    report = read_json(file)
+    if not isinstance(report, dict):
+        raise CheckpointError(f"{file} is not a JSON object; the file is damaged")
+    return report
 
 
 def _default_device() -> torch.device:
@@ -797,10 +1107,6 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
         config = AutoConfig.from_pretrained(path)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        from .experts import linearize_model
-
-        linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
-        return model
     except (ValueError, KeyError) as exc:
         import transformers
 
@@ -808,22 +1114,33 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
             f"{path / CONFIG_FILE}: unsupported model type ({exc}). fp4ptq.load builds the model with "
             f"transformers {transformers.__version__} AutoModelForCausalLM; upgrade transformers or check model_type"
         ) from exc
+    except Exception as exc:  # noqa: BLE001 - config.json is input: whatever transformers raises on a bad field
+        raise CheckpointError(f"{path / CONFIG_FILE}: transformers cannot build the model from it "
+                              f"({type(exc).__name__}: {exc}); the file is damaged or was edited") from exc
+    from .experts import linearize_model
+
+    linearize_model(model, device="meta")   # MoE experts: one linear per expert projection, as saved
+    return model
 
 
 def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
-         fuse: Optional[bool] = None) -> nn.Module:
+         fuse: Optional[bool] = None, verify: bool = False) -> nn.Module:
     """Load a packed NVFP4 checkpoint (ours or any compressed-tensors
     ``nvfp4-pack-quantized`` one) with ``NVFP4Linear`` layers, in eval mode.
 
     device: where the tensors go (default: CUDA when available, else CPU);
             NVFP4Linear runs the Triton kernels on CUDA, the reference elsewhere.
     dtype:  compute dtype of activations and high-precision weights
-            (default: the checkpoint's ``dtype``).
+            (default: the dtype the checkpoint stores them in).
     fuse:   run each block's q/k/v and gate/up as one GEMM a group
             (``fp4ptq.fuse_projections``; its report in ``model.fp4ptq_fusion``). Default: on
             CUDA, where it pays at decoding sizes, for the architectures ``fp4ptq.models``
             describes (others load unfused); True: on any device, and an architecture without
             a table is an error; False: never. Moving the model afterwards dissolves the groups.
+    verify: check config.json and every tensor's bytes against the hashes the report recorded at save time
+            (``CheckpointError`` on a mismatch; swapped offsets, flipped bits, an edited config). Reads
+            every byte once (~10 GB/s; the load itself maps the files lazily), so it is off by default;
+            skipped for checkpoints without hashes.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -831,22 +1148,11 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give the checkpoint directory fp4ptq.save wrote")
     where = str(path / CONFIG_FILE)
-    config_dict = read_json(path / CONFIG_FILE)
-    dtype = dtype or _config_dtype(config_dict)
+    model, headers, from_file, report = _checked_skeleton(path, dtype)
+    files = sorted({info.file for info in headers.values()})
     device = torch.device(device) if device is not None else _default_device()
-    files = checkpoint_files(path)
-    headers = read_headers(files)
-    act_four_six = (config_dict.get(FP4PTQ_KEY) or {}).get("act_four_six")
-    model = _skeleton(path, dtype)
-    file_names = {}
-    headers_by_module, qcfg = module_names(model, headers, config_dict.get("quantization_config"))
-    if headers_by_module is not headers:
-        file_names = {m: f for m, f in zip(headers_by_module, headers)}
-        headers = headers_by_module
-    plan = plan_layers(model, qcfg, headers, act_four_six, where)
-    swap_in_nvfp4(model, plan, dtype)
-    check_tensors(model, headers, where)
-    from_file = {f: m for m, f in file_names.items()}
+    if verify:
+        verify_hashes(path, headers, report)
 
     expected = model.state_dict()
     state = {}
@@ -868,9 +1174,44 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
         raise CheckpointError(f"{where}: tensors {still_meta[:5]} were not loaded (missing from the files)")
     model.to(device)   # the non-persistent buffers (e.g. rotary tables) built on the CPU
     model.eval()
-    model.fp4ptq_info = read_report(path)
+    model.fp4ptq_info = report
     model.fp4ptq_fusion = _fuse(model, fuse, device)
     return model
+
+
+def _checked_skeleton(path: Path, dtype: Optional[torch.dtype]) -> tuple:
+    """``(model skeleton with NVFP4Linear swapped in, headers as in the files, {file tensor name:
+    module tensor name} where they differ, report)`` after every check that needs no tensor data:
+    config, headers, the layer plan, names, shapes and dtypes."""
+    where = str(path / CONFIG_FILE)
+    config_dict = read_json(path / CONFIG_FILE)
+    if not isinstance(config_dict, dict):
+        raise CheckpointError(f"{where} is not a JSON object; the file is damaged")
+    dtype = dtype or _config_dtype(config_dict)
+    file_headers = read_headers(checkpoint_files(path))
+    ours = config_dict.get(FP4PTQ_KEY) or {}
+    act_four_six = ours.get("act_four_six") if isinstance(ours, dict) else None
+    if act_four_six is not None and not isinstance(act_four_six, (str, dict)):
+        raise CheckpointError(f"{where}: field {FP4PTQ_KEY}.act_four_six is {act_four_six!r}; the file is damaged")
+    report = read_report_checked(path)
+    model = _skeleton(path, dtype)
+    headers, qcfg = module_names(model, file_headers, config_dict.get("quantization_config"))
+    from_file = {} if headers is file_headers else {f: m for m, f in zip(headers, file_headers) if f != m}
+    plan = plan_layers(model, qcfg, headers, act_four_six, where)
+    swap_in_nvfp4(model, plan, dtype)
+    check_tensors(model, headers, where)
+    return model, file_headers, from_file, report
+
+
+def validate(path: str | Path) -> dict:
+    """Every check ``load`` makes, without loading a tensor into a model: config, headers, the layer
+    plan, names, shapes and dtypes, and the recorded tensor hashes. Returns ``{"tensors": n,
+    "verified": n or None}``; raises ``CheckpointError`` naming what does not fit."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; give the checkpoint directory fp4ptq.save wrote")
+    _, headers, _, report = _checked_skeleton(path, None)
+    return {"tensors": len(headers), "verified": verify_hashes(path, headers, report)}
 
 
 def layers_devices(model: nn.Module) -> set:
@@ -905,8 +1246,9 @@ def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]
 
 __all__ = [
     "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
-    "checkpoint_files", "compressed_tensors_config", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
-    "read_json",
+    "checkpoint_files", "compressed_tensors_config", "fused_groups", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
+    "read_json", "clean_leftovers", "is_model_output", "stored_dtype", "tensor_hashes", "validate",
+    "verify_hashes", "check_packed_has_config", "config_hash",
     "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",
     "read_safetensors_header", "save", "swap_in_nvfp4", "unshared_fused_scales",
 ]

@@ -77,12 +77,22 @@ def _model_name(spec: Optional[str]) -> str:
     return p.stem if p.suffix.lower() == ".gguf" else p.name
 
 
-def _prepare_output(path: Path, overwrite: bool, what: str) -> None:
+def _prepare_output(path: Path, overwrite: bool, what: str, marker: Optional[str] = None) -> None:
+    """Fail before any work when ``path`` exists; with ``--overwrite``, only an fp4ptq output (a
+    model directory, or one holding ``marker``) or an empty directory may be replaced."""
+    from .checkpoint import is_model_output
+
     if path.exists() and not path.is_dir():
         raise CLIError(f"{path} exists and is not a directory; choose another --output", EXIT_EXISTS)
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise CLIError(f"{what} {path} already exists; pass --overwrite to replace it or choose another --output",
-                       EXIT_EXISTS)
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise CLIError(f"{what} {path} already exists; pass --overwrite to replace it or choose another --output",
+                           EXIT_EXISTS)
+        ours = (path / marker).is_file() if marker else is_model_output(path)
+        if not ours:
+            raise CLIError(f"--overwrite: {path} is not empty and not an fp4ptq output (no "
+                           f"{marker or 'config.json'}); refusing to replace it. Choose another --output",
+                           EXIT_EXISTS)
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -96,6 +106,30 @@ def _is_checkpoint(path: Path) -> bool:
         return False
 
 
+def _quiet_libraries(quiet: bool) -> contextlib.AbstractContextManager:
+    """With ``--quiet``: no progress bars from transformers (weight loading) or datasets."""
+    if not quiet:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    from transformers.utils import logging as hf_logging
+
+    if hf_logging.is_progress_bar_enabled():
+        hf_logging.disable_progress_bar()
+        stack.callback(hf_logging.enable_progress_bar)
+    from .eval.tasks import patched, silent_tqdm
+
+    # transformers' GGUF reader draws its bar with plain tqdm, which disable_progress_bar does not reach
+    stack.enter_context(patched([("transformers.modeling_gguf_pytorch_utils", "tqdm", silent_tqdm())]))
+    try:
+        import datasets
+    except ImportError:
+        return stack
+    if datasets.is_progress_bar_enabled():
+        datasets.disable_progress_bars()
+        stack.callback(datasets.enable_progress_bars)
+    return stack
+
+
 def _load_model(spec: Optional[str], device: str, dtype):
     """``(model, tokenizer, entry)`` for an fp4ptq checkpoint dir, an HF dir / hub id / GGUF, or the demo."""
     from transformers import AutoTokenizer
@@ -106,7 +140,7 @@ def _load_model(spec: Optional[str], device: str, dtype):
         import fp4ptq
 
         path = Path(spec).expanduser()
-        model = fp4ptq.load(path, device=device, dtype=dtype)
+        model = fp4ptq.load(path, device=device, dtype=dtype, verify=True)   # negligible next to an evaluation
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as exc:
@@ -169,52 +203,106 @@ def cmd_quantize(args) -> int:
     except ConfigError as exc:
         raise CLIError(str(exc)) from exc
     output = Path(args.output) if args.output else OUT_ROOT / f"{_model_name(args.model)}-{_recipe_slug(config)}"
-    _prepare_output(output, args.overwrite, "output directory")   # before any long work
+    # Every cheap check before the model loads: leftovers, output, device, model path, calibration data.
+    from .checkpoint import clean_leftovers
+    from .sources import check_finite_weights, load_source_model, resolve
+
+    clean_leftovers(output)
+    _prepare_output(output, args.overwrite, "output directory")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
+    src = resolve(args.model)
+    if src.kind == "local" and _is_checkpoint(Path(src.path)):
+        raise CLIError(f"{args.model} is already a quantized checkpoint (its config.json has a quantization_config); "
+                       "quantize the full-precision model it was made from", EXIT_UNSUPPORTED)
+    _check_calib(config, args.calib)
 
     _say(f"loading {args.model or 'the demo model (SmolLM2-135M-Instruct)'} ...")
-    from .sources import load_source_model
-
     try:
         model, tokenizer, src = load_source_model(args.model, dtype=dtype, device="cpu")
     except ValueError as exc:
         raise CLIError(f"{args.model} is not a causal language model transformers can load ({exc})",
                        EXIT_UNSUPPORTED) from exc
+    check_finite_weights(model, src)
+    config = _resolve_fused_ignore(model, config, args.ignore)
     calib_note = f", calibration {config.calib} {config.nsamples}x{config.seqlen}" if config.needs_calibration else ""
     _say(f"quantizing: {_recipe_text(config.to_dict())}{calib_note}, on {device}")
     fp4ptq.quantize(model, config, tokenizer=tokenizer, device=device, progress=not args.quiet)
     model.fp4ptq_info["source"] = src.as_dict()
+    save_dtype = None if args.dtype == "auto" else _dtype(args.dtype, device)   # None: the source's dtype
     _say(f"saving ({args.format}) to {output} ...")
-    path = fp4ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite, format=args.format)
+    path = fp4ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite, format=args.format,
+                       dtype=save_dtype)
 
     info = model.fp4ptq_info
     errors = [r["rel_error"] for r in info["layers"].values() if r.get("rel_error") is not None]
     size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     mean_err = f", mean weight rel. error {sum(errors) / len(errors):.4f}" if errors else ""
-    import torch
-
-    float_note = (" (unquantized tensors kept in float32, the CPU default; --dtype bfloat16 halves them)"
-                  if dtype == torch.float32 else "")
+    stored = json.loads((Path(path) / "config.json").read_text())["fp4ptq"]["dtype"]
     print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
-          f"{mean_err}; {size / 2**20:.1f} MiB of tensors{float_note} in {path} "
+          f"{mean_err}; {size / 2**20:.1f} MiB of tensors (unquantized ones in {stored}) in {path} "
           f"[{time.perf_counter() - started:.0f} s]. Next: fp4ptq inspect {path}; "
           f"fp4ptq eval {path} --baseline {args.model or 'demo'} --tasks wikitext,arc_easy "
           "(add --data-dir DIR without hub access)")
     return EXIT_OK
 
 
+def _check_calib(config, given: Optional[str]) -> None:
+    """A local --calib source is read now (missing or empty: exit 3 before the model loads); a --calib
+    the recipe does not use is said, not silently dropped."""
+    from .calib import DATA_FREE, HUB_SOURCES, local_documents
+
+    if given is None:
+        return
+    if given not in HUB_SOURCES and given != DATA_FREE:
+        local_documents(given)
+    if not config.needs_calibration:
+        _say(f"note: --calib {given} is not used: {config.method} {config.scheme} needs no calibration data")
+
+
+def _resolve_fused_ignore(model, config, patterns: Optional[list]):
+    """--ignore of some members of a fused group (q/k/v, gate/up: one GEMM and one weight global
+    scale in vLLM, SGLang, TensorRT-LLM) keeps the whole group in high precision, said here before
+    any work; an --ignore pattern that matches no linear layer is a usage error."""
+    import dataclasses
+
+    from torch import nn
+
+    from .checkpoint import fused_groups
+
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pattern in patterns or []:
+        probe = dataclasses.replace(config, ignore=(pattern,))
+        if not any(probe.is_ignored(name) for name in linears):
+            raise CLIError(f"--ignore {pattern} matches no linear layer of the model (names look like "
+                           f"{linears[0] if linears else 'none'})")
+    extra = []
+    for _, names in fused_groups(model) or []:
+        ignored = [n for n in names if config.is_ignored(n)]
+        if ignored and len(ignored) < len(names):
+            extra += [n for n in names if n not in ignored]
+    if not extra:
+        return config
+    _say(f"--ignore keeps part of a fused group (q/k/v or gate/up share one GEMM and one scale in serving "
+         f"engines): also keeping {len(extra)} layer(s) in high precision, e.g. {', '.join(extra[:3])}")
+    return dataclasses.replace(config, ignore=tuple(config.ignore) + tuple(extra))
+
+
 # ---------------------------------------------------------------------------- eval
 
 def _parse_tasks(text: str) -> list[str]:
     from .eval.perplexity import TASKS as PPL_TASKS
-    from .eval.tasks import DOWNSTREAM_TASKS
+    from .eval.tasks import DOWNSTREAM_TASKS, TASK_GROUPS
 
     tasks = [t.strip() for t in text.split(",") if t.strip()]
+    tasks = [member for t in tasks for member in TASK_GROUPS.get(t, (t,))]
     known = PPL_TASKS + DOWNSTREAM_TASKS
     unknown = [t for t in tasks if t not in known]
     if unknown or not tasks:
-        raise CLIError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(known)}")
+        hint = " (lambada: name lambada_openai)" if "lambada" in unknown else ""
+        groups = ", ".join(f"{group} ({'+'.join(members)})" for group, members in TASK_GROUPS.items())
+        raise CLIError(f"unknown task(s) {', '.join(unknown) or '(none given)'}{hint}; choose from "
+                       f"{','.join(known)} or the groups {groups}")
     return list(dict.fromkeys(tasks))
 
 
@@ -255,7 +343,7 @@ def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict) -> dict:
     if downstream:
         _say(f"lm-eval: {', '.join(downstream)}" + (f" (first {args.limit} items each)" if args.limit else ""))
         results.update(run_tasks(model, tokenizer, downstream, data_dir=args.data_dir, limit=args.limit,
-                                 batch_size=args.batch_size, num_fewshot=args.num_fewshot))
+                                 batch_size=args.batch_size, num_fewshot=args.num_fewshot, quiet=args.quiet))
     return results
 
 
@@ -305,6 +393,11 @@ def cmd_eval(args) -> int:
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     _check_data(tasks, args.data_dir)
+    from .sources import resolve
+
+    for spec in (args.model, None if (args.baseline or "").endswith(".json") else args.baseline):
+        if spec and spec != "demo" and not _is_checkpoint(Path(spec).expanduser()):
+            resolve(spec)   # missing paths, damaged checkpoints: before any model loads
     baseline_report = None
     if args.baseline and args.baseline.endswith(".json"):
         baseline_report = Path(args.baseline)
@@ -317,7 +410,7 @@ def cmd_eval(args) -> int:
         vs = f"-vs-{_model_name(str(baseline_report.parent) if baseline_report else args.baseline)}" \
             if args.baseline else ""
         output = OUT_ROOT / f"eval-{name}{vs}"
-    _prepare_output(output, args.overwrite, "report directory")
+    _prepare_output(output, args.overwrite, "report directory", marker="report.json")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
     settings = {"tasks": ",".join(tasks), "limit": args.limit, "num_fewshot": args.num_fewshot,
@@ -369,6 +462,12 @@ def cmd_inspect(args) -> int:
     if not path.is_dir():
         raise CLIError(f"{path} is not a directory; give a checkpoint directory written by `fp4ptq quantize`",
                        EXIT_MISSING)
+    from .checkpoint import check_packed_has_config, validate
+
+    if (path / "config.json").is_file():
+        check_packed_has_config(path)   # packed tensors whose config lost its quantization_config: exit 5
+    # what fp4ptq.load checks (config, headers, plan, names, shapes, dtypes) and the recorded hashes
+    checked = validate(path) if _is_checkpoint(path) else None
     try:
         summary = inspect_checkpoint(path)
     except FileNotFoundError as exc:
@@ -382,8 +481,14 @@ def cmd_inspect(args) -> int:
     t = summary["totals"]
     err = f", mean rel. error {t['mean_rel_error']:.4f}" if t["mean_rel_error"] is not None else ""
     share = f", 4/6 share {t['four_share']:.3f}" if t["four_share"] is not None else ""
+    if checked is None:
+        verified = "not checked (no config.json with a quantization_config)"
+    elif checked["verified"] is None:
+        verified = "no tensor hashes recorded (not written by fp4ptq): names, shapes and dtypes checked"
+    else:
+        verified = f"all {checked['verified']} tensors match their recorded hashes"
     print(f"{path.name}: {t['quantized_layers']} NVFP4 layers, {t['total_bytes'] / 2**20:.1f} MiB of tensors"
-          f"{err}{share}. Table and plot: {output / 'inspect.md'}, {png}")
+          f"{err}{share}; {verified}. Table and plot: {output / 'inspect.md'}, {png}")
     return EXIT_OK
 
 
@@ -411,7 +516,7 @@ def cmd_compare(args) -> int:
     settings["tasks"] = ",".join(dict.fromkeys(tasks))
     report = new_report(entries, settings, reference=0, command="fp4ptq " + shlex.join(args.argv))
     output = Path(args.output) if args.output else OUT_ROOT / "compare"
-    _prepare_output(output, args.overwrite, "report directory")
+    _prepare_output(output, args.overwrite, "report directory", marker="report.json")
     paths = write_report(report, output)
     print(markdown(report))
     print(f"compared {len(entries)} reports against {entries[0]['name']}: {paths['json']}")
@@ -432,11 +537,16 @@ def _eval_epilog() -> str:
         "--seqlen windows (last partial window dropped); token perplexity = exp(mean next-token NLL).\n"
         "word perplexity follows lm-eval's wikitext task (rolling windows per article, detokenized,\n"
         "exp(NLL / words)). Downstream tasks run through lm-eval's own task configs (0-shot).\n\n"
-        "--data-dir DIR layout (original public formats; only the tasks you ask for are needed):\n"
+        "--data-dir DIR: a folder of the tasks' original public files, for machines without hub access.\n"
+        "Download each file once where the hub is reachable (WikiText-2 raw, C4 en validation shard 0,\n"
+        "and the datasets' own releases: AI2 ARC, HellaSwag, BoolQ, PIQA, WinoGrande, LAMBADA) and lay\n"
+        "them out as below; only the tasks you ask for are needed. Without --data-dir every task is read\n"
+        "from the Hugging Face hub. Layout (original formats):\n"
         f"{data_layout()}\n\n"
+        "Task groups: arc = arc_easy + arc_challenge.\n\n"
         "examples:\n"
-        "  fp4ptq eval fp4ptq-out/SmolLM2-135M-Instruct-rtn-w4a16 --tasks wikitext,arc_easy --baseline demo\n"
-        "  fp4ptq eval DIR --tasks wikitext,hellaswag --data-dir ../shared/evaldata --limit 200 --max-windows 40\n\n"
+        "  fp4ptq eval fp4ptq-out/SmolLM2-135M-Instruct-rtn-w4a16 --tasks wikitext,arc --baseline demo\n"
+        "  fp4ptq eval DIR --tasks wikitext,hellaswag --data-dir ~/evaldata --limit 200 --max-windows 40\n\n"
         + EXIT_CODES
     )
 
@@ -509,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("model", nargs="?", metavar="MODEL_OR_DIR", help="what to evaluate (default: demo)")
     e.add_argument("--tasks", default="wikitext",
                    help="comma-separated: wikitext,c4,arc_easy,arc_challenge,hellaswag,boolq,piqa,winogrande,"
-                        "lambada_openai (default: wikitext)")
+                        "lambada_openai, or arc (= arc_easy,arc_challenge) (default: wikitext)")
     e.add_argument("--baseline", metavar="MODEL_OR_REPORT",
                    help="evaluate this model too and show deltas; a report.json from an earlier run is reused "
                         "without re-evaluating")
@@ -518,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seqlen", type=int, default=2048, help="perplexity window length in tokens (default: 2048)")
     e.add_argument("--no-word-ppl", action="store_true",
                    help="skip the lm-eval-style word perplexity pass (halves perplexity time)")
-    e.add_argument("--data-dir", metavar="DIR", help="read every task from local files (layout below), not the hub")
+    e.add_argument("--data-dir", metavar="DIR",
+                   help="read every task from a folder of the datasets' original files (which files, their layout "
+                        "and where to get them: below) instead of the Hugging Face hub")
     e.add_argument("--batch-size", type=int, default=8,
                    help="lm-eval requests per forward pass (default: 8; fewer passes matter on CPU)")
     e.add_argument("--ppl-batch-size", type=int, default=1,
@@ -555,13 +667,14 @@ def _exit_code_for(exc: BaseException) -> Optional[int]:
     from .config import ConfigError
     from .eval.perplexity import EvalDataError
     from .models import UnsupportedArchitecture
+    from .nvfp4 import NVFP4Error
     from .pipeline import CalibrationError
-    from .sources import SourceModelError
+    from .sources import DamagedSourceError, SourceModelError
 
     table = (
         (ConfigError, EXIT_USAGE),
         ((SourceModelError, EvalDataError, CalibrationDataError, CalibrationError, FileNotFoundError), EXIT_MISSING),
-        ((UnsupportedArchitecture, CheckpointError), EXIT_UNSUPPORTED),
+        ((UnsupportedArchitecture, CheckpointError, DamagedSourceError, NVFP4Error), EXIT_UNSUPPORTED),
     )
     for kinds, code in table:
         if isinstance(exc, kinds):
@@ -581,7 +694,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(exc.code or 0)
     args.argv = argv
     try:
-        return args.func(args)
+        with _quiet_libraries(getattr(args, "quiet", False)):
+            return args.func(args)
     except CLIError as exc:
         _say(f"error: {exc}")
         return exc.code

@@ -35,6 +35,7 @@ first and raise ``CheckpointError`` naming what does not fit.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -169,10 +170,10 @@ def stock_compressed_tensors():
             register()
 
 
-from . import _hook  # noqa: E402
-
-if _hook.pending:  # transformers' table loaded during this module's own import (fp4ptq/_hook.py)
-    _hook.pending = False
+# Importing this module registers, as `import fp4ptq` arranges (fp4ptq/_hook.py), unless the hook is off.
+# (When transformers' table is first imported by this module's own import above, the hook leaves the
+# registering to this line: the module is not complete yet when the table finishes loading.)
+if os.environ.get("FP4PTQ_TRANSFORMERS_HOOK", "1") != "0":
     register()
 
 __all__ = ["FP4PTQHfQuantizer", "dispatch_quantizer", "is_registered", "register", "stock_compressed_tensors",

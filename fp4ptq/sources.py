@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +21,11 @@ class SourceModelError(RuntimeError):
     """The source model could not be found or loaded; the message says why and what to do."""
 
 
+class DamagedSourceError(ValueError):
+    """The source model loads but cannot be quantized as it is (non-finite weights, packed tensors
+    without a quantization config); the message names the tensor/file."""
+
+
 @dataclass(frozen=True)
 class SourceModel:
     """Resolved description of a source model (recorded in checkpoints)."""
@@ -29,9 +34,11 @@ class SourceModel:
     kind: str            # "hub" | "local" | "gguf" | "demo"
     path: str            # hub id or local directory
     gguf_file: Optional[str] = None
+    dtype: Optional[str] = None   # what its weights are stored in (config dtype; bfloat16 for GGUF)
 
     def as_dict(self) -> dict:
-        return {"spec": self.spec, "kind": self.kind, "path": self.path, "gguf_file": self.gguf_file}
+        return {"spec": self.spec, "kind": self.kind, "path": self.path, "gguf_file": self.gguf_file,
+                "dtype": self.dtype}
 
 
 def demo_model_file() -> Path:
@@ -69,6 +76,9 @@ def resolve(spec: Optional[str]) -> SourceModel:
                 f"{p} is not a Hugging Face model directory (no config.json); give a directory "
                 "saved by save_pretrained, a .gguf file, or a hub id"
             )
+        from .checkpoint import check_packed_has_config
+
+        check_packed_has_config(p)   # packed NVFP4 tensors without their config: damaged, not full precision
         return SourceModel(spec, "local", str(p.resolve()))
     if spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
         raise SourceModelError(f"{spec} does not exist (and is not a hub id of the form owner/name)")
@@ -108,8 +118,37 @@ def load_source_model(
         raise SourceModelError(f"could not load model {src.spec or src.path!r}: {reason}.{hint}") from exc
     if src.gguf_file:
         _forget_gguf_quantizer(model)
+    src = replace(src, dtype=_stored_dtype(src, kwargs))
     model.to(device).eval()
     return model, tokenizer, src
+
+
+def _stored_dtype(src: SourceModel, kwargs: dict) -> Optional[str]:
+    """The dtype the source's weights are stored in: its config's ``dtype`` / ``torch_dtype``; GGUF
+    files (block-quantized or half) are dequantized to bfloat16, as llama.cpp's converters do."""
+    if src.gguf_file:
+        return "bfloat16"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(src.path, **kwargs)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return name if name in ("float32", "bfloat16", "float16") else None   # unknown: save uses the model's
+
+
+def check_finite_weights(model, src: Optional[SourceModel] = None) -> None:
+    """Every floating tensor of ``model`` is finite, else ``DamagedSourceError`` naming the tensors:
+    NVFP4 cannot represent NaN/Inf, and one would spread through every layer after it."""
+    bad = []
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
+            bad.append(f"{name} ({int(torch.isnan(tensor).sum())} NaN, {int(torch.isinf(tensor).sum())} Inf)")
+    if bad:
+        where = f" of {src.spec or src.path}" if src is not None else ""
+        raise DamagedSourceError(
+            f"the weights{where} hold non-finite values: {', '.join(bad[:3])}"
+            + (f" and {len(bad) - 3} more tensor(s)" if len(bad) > 3 else "")
+            + ". The source files are damaged (re-download or re-convert them); fp4ptq cannot quantize NaN/Inf")
 
 
 def _forget_gguf_quantizer(model) -> None:

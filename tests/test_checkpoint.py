@@ -143,7 +143,8 @@ def test_saved_directory_has_config_report_tokenizer_and_generation_config(saved
     assert {"config.json", "model.safetensors", "fp4ptq_report.json", "generation_config.json",
             "tokenizer.json", "tokenizer_config.json"} <= names
     config = json.loads((path / "config.json").read_text())
-    assert config["fp4ptq"]["act_four_six"] == "mse" and config["dtype"] == "float32"
+    assert config["fp4ptq"]["act_four_six"] == "mse" and config["fp4ptq"]["dtype"] == "float32"
+    assert config["dtype"] == "bfloat16"   # what compressed-tensors runs NVFP4 in (stock loaders read it)
     assert config["architectures"] == ["LlamaForCausalLM"]
     mode = (path / "config.json").stat().st_mode & 0o777
     assert (path / "model.safetensors").stat().st_mode & 0o777 == mode and (path.stat().st_mode & 0o777) != 0o700
@@ -404,8 +405,9 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
-def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
-    target = tmp_path / "ckpt"
+def kill_a_save_mid_write(target: Path, sig: int) -> int:
+    """Run a save into ``target`` in a child process, send it ``sig`` once a shard is written; its
+    return code."""
     script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target))
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -414,10 +416,15 @@ def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
                 break
         else:
             pytest.fail(f"the child never wrote a shard: {child.stderr.read()[-2000:]}")
-        os.kill(child.pid, signal.SIGKILL)
+        os.kill(child.pid, sig)
     finally:
         child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    return child.returncode
+
+
+def test_a_save_killed_mid_write_leaves_no_complete_looking_directory(tmp_path):
+    target = tmp_path / "ckpt"
+    assert kill_a_save_mid_write(target, signal.SIGKILL) == -signal.SIGKILL
     assert not target.exists()
     leftovers = list(tmp_path.iterdir())
     assert len(leftovers) == 1 and leftovers[0].name.startswith(".ckpt.partial-")

@@ -49,7 +49,9 @@ def test_import_stays_light_and_the_hook_registers_when_transformers_loads_its_q
 
 def test_from_pretrained_builds_nvfp4_layers_with_identical_logits(w4a4):
     model, path = w4a4
-    loaded = AutoModelForCausalLM.from_pretrained(path)
+    # config.json says bfloat16 (what stock compressed-tensors runs NVFP4 in); the tensors are stored in
+    # the model's float32, which fp4ptq.load computes in by default.
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     layers = checkpoint.nvfp4_layers(loaded)
     assert len(layers) == 14 and isinstance(loaded.model.layers[1].mlp.down_proj, NVFP4Linear)
     assert {(m.scheme, m.act_four_six) for m in layers.values()} == {("w4a4", "mae")}
@@ -77,7 +79,7 @@ def test_from_pretrained_fuses_the_projection_groups_when_the_layers_load_onto_c
         monkeypatch.setattr(checkpoint, "layers_devices", lambda m, devices=devices: devices)
         assert (checkpoint.fusion_device(loaded) == torch.device("cuda")) is fuses, devices
     monkeypatch.setattr(checkpoint, "layers_devices", lambda m: {cuda0, cuda1})
-    fused = AutoModelForCausalLM.from_pretrained(path)
+    fused = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert fused.fp4ptq_fusion == {"fused": 4, "skipped": {}}
     assert sum(m._fused is not None for m in checkpoint.nvfp4_layers(fused).values()) == 10
     with torch.no_grad():
@@ -88,7 +90,7 @@ def test_from_pretrained_fuses_the_projection_groups_when_the_layers_load_onto_c
 
 def test_a_model_from_from_pretrained_saves_back_to_the_same_tensors(w4a4, tmp_path):
     _, path = w4a4
-    again = fp4ptq.save(AutoModelForCausalLM.from_pretrained(path), tmp_path / "again")
+    again = fp4ptq.save(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tmp_path / "again")
     from safetensors.torch import load_file
 
     first, second = load_file(str(path / "model.safetensors")), load_file(str(again / "model.safetensors"))

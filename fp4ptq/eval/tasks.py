@@ -34,6 +34,8 @@ from __future__ import annotations
 import bz2
 import json
 import logging
+import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -145,6 +147,9 @@ LOCAL_TASKS: dict[str, LocalTask] = {
                                 'OpenAI LAMBADA jsonl {"text"}'),
 }
 DOWNSTREAM_TASKS = tuple(LOCAL_TASKS)
+# Group names users know from lm-eval and papers, expanded to the tasks above (lm-eval's own "lambada"
+# group also holds lambada_standard, which fp4ptq does not run: name lambada_openai instead).
+TASK_GROUPS = {"arc": ("arc_easy", "arc_challenge"), "ai2_arc": ("arc_easy", "arc_challenge")}
 
 # The metric a table shows first for each task (lm-eval names); the rest stay in the JSON.
 PRIMARY_METRIC = {
@@ -241,6 +246,59 @@ def _flatten_metrics(task_result: dict) -> dict:
     return out
 
 
+def _quiet_git_hash() -> Optional[str]:
+    """lm-eval's ``get_git_commit_hash`` (the git commit of the working directory, for its results)
+    without the "fatal: not a git repository" git prints to the console outside a repository."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+@contextmanager
+def patched(patches: list):
+    """Within the block, each ``(module name, attribute, value)`` is set (modules that cannot be
+    imported or lack the attribute are left alone); the old values come back on exit."""
+    import importlib
+
+    saved = []
+    for module_name, attr, value in patches:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:   # an optional part not installed: nothing to patch
+            continue
+        if hasattr(module, attr):
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def silent_tqdm():
+    """A ``tqdm`` that draws nothing, for modules that create bars with no off switch."""
+    from tqdm.auto import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
+
+
+def _lm_eval_console(quiet: bool):
+    """Within the block, lm-eval asks git quietly and, when ``quiet``, draws no progress bars."""
+    patches = [("lm_eval.evaluator", "get_git_commit_hash", _quiet_git_hash)]
+    if quiet:
+        patches += [(m, "tqdm", silent_tqdm())
+                    for m in ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")]
+    return patched(patches)
+
+
 def run_tasks(
     model,
     tokenizer,
@@ -252,10 +310,12 @@ def run_tasks(
     num_fewshot: int = 0,
     seed: int = 1234,
     max_length: Optional[int] = None,
+    quiet: bool = False,
 ) -> dict:
     """Evaluate ``tasks`` (names from ``DOWNSTREAM_TASKS``) with lm-eval on the loaded model.
 
-    ``limit`` keeps the first N items of each task (lm-eval's ``limit``).
+    ``limit`` keeps the first N items of each task (lm-eval's ``limit``); ``quiet`` hides lm-eval's
+    progress bars.
     Returns ``{task: {"metrics": {...}, "primary": name, "samples": n, "source": where, "notes": [...]}}``.
     """
     try:
@@ -287,11 +347,12 @@ def run_tasks(
     lm_eval_logger.setLevel(logging.ERROR)
     try:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
-        output = lm_eval.simple_evaluate(
-            model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-            log_samples=False, bootstrap_iters=1000, random_seed=seed, numpy_random_seed=seed,
-            torch_random_seed=seed, fewshot_random_seed=seed,
-        )
+        with _lm_eval_console(quiet):
+            output = lm_eval.simple_evaluate(
+                model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                log_samples=False, bootstrap_iters=1000, random_seed=seed, numpy_random_seed=seed,
+                torch_random_seed=seed, fewshot_random_seed=seed,
+            )
     except (ConnectionError, OSError) as exc:
         if data_dir is None:
             raise EvalDataError(
