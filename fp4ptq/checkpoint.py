@@ -118,8 +118,9 @@ _QUANT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input
 # The dtype compressed-tensors decompresses NVFP4 weights to (its unpack default, no option), hence the
 # config.json "dtype" under which stock transformers runs our checkpoints with default arguments.
 STOCK_RUN_DTYPE = torch.bfloat16
-# Report keys holding run times: kept out of the written report so identical runs give identical files.
-TIMING_KEYS = ("elapsed_s", "seconds")
+# Report keys that differ between identical runs (run times, peak memory): kept out of the written
+# report so identical runs give identical files (the CLI prints them).
+TIMING_KEYS = ("elapsed_s", "seconds", "peak_memory")
 HASHES_KEY = "tensor_xxh3_128"
 CONFIG_HASH_KEY = "config_sha256"
 _log = logging.getLogger("fp4ptq")

@@ -241,10 +241,20 @@ def cmd_quantize(args) -> int:
     stored = json.loads((Path(path) / "config.json").read_text())["fp4ptq"]["dtype"]
     print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
           f"{mean_err}; {size / 2**20:.1f} MiB of tensors (unquantized ones in {stored}) in {path} "
-          f"[{time.perf_counter() - started:.0f} s]. Next: fp4ptq inspect {path}; "
+          f"[{time.perf_counter() - started:.0f} s{_peak_text(info.get('peak_memory'))}]. Next: fp4ptq inspect {path}; "
           f"fp4ptq eval {path} --baseline {args.model or 'demo'} --tasks wikitext,arc_easy "
           "(add --data-dir DIR without hub access)")
     return EXIT_OK
+
+
+def _peak_text(peak: Optional[dict]) -> str:
+    """", peak 1.2 GiB host / 3.4 GiB GPU" from the quantization record's peak memory."""
+    if not peak:
+        return ""
+    parts = [f"{peak['host_rss_bytes'] / 2**30:.1f} GiB host"] if peak.get("host_rss_bytes") else []
+    if peak.get("device_bytes") is not None:
+        parts.append(f"{peak['device_bytes'] / 2**30:.1f} GiB GPU")
+    return ", peak " + " / ".join(parts) if parts else ""
 
 
 def _check_calib(config, given: Optional[str]) -> None:
