@@ -390,16 +390,16 @@ def _collect_slots(skeleton, slots: list) -> None:
             _collect_slots(v, slots)
 
 
-def gather_items(local: list, count: int, start: int, total: int, unit: int, w: World, device) -> list:
-    """Items ``[0, count)`` of a run of ``total`` sharded by ``shard(total, unit)``,
-    on every rank, each sent by the rank that holds it (``local`` holds this
-    rank's items from index ``start`` on)."""
-    bounds = [shard(total, unit, w, r) for r in range(w.size)]
-    out = []
-    for i in range(count):
-        owner = next(r for r, (a, b) in enumerate(bounds) if a <= i < b)
-        out.append(broadcast(local[i - start] if owner == w.rank else None, owner, w, device))
-    return out
+def gather_first(keys: Sequence[int], items: list, count: int, w: World, device) -> list:
+    """The ``count`` items of smallest key over all ranks, in key order, on every
+    rank; ``keys[i]`` is this rank's ``items[i]``'s place in the whole run (e.g. a
+    sequence's or a batch's index), each key held by one rank."""
+    if not w.parallel:
+        return [item for _, item in sorted(zip(keys, items), key=lambda p: p[0])][:count]
+    everyone = gather_report(list(keys)[: len(items)], w)
+    owned = sorted((k, r) for r, ks in enumerate(everyone) for k in ks)[:count]
+    local = dict(zip(keys, items))
+    return [broadcast(local[k] if r == w.rank else None, r, w, device) for k, r in owned]
 
 
 # --------------------------------------------------------------------------- #
@@ -415,22 +415,26 @@ class SolveUnit:
     solve: Callable[[], Any]
 
 
-def assign(costs: Sequence[float], size: int) -> list[int]:
+def assign(costs: Sequence[float], size: int, among: Optional[Sequence[int]] = None) -> list[int]:
     """Owner rank of each unit: longest first (ties by position) to the least
-    loaded rank (ties to the lowest rank). Deterministic for given costs."""
-    load = [0.0] * size
+    loaded rank of ``among`` (default: all; ties to the lowest rank).
+    Deterministic for given costs."""
+    ranks = list(range(size)) if among is None else list(among)
+    load = dict.fromkeys(ranks, 0.0)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(size), key=lambda r: (load[r], r))
+        r = min(ranks, key=lambda r: (load[r], r))
         owners[i] = r
         load[r] += costs[i]
     return owners
 
 
-def run_units(units: Sequence[SolveUnit], w: World, device, owners: Optional[Sequence[int]] = None) -> list:
+def run_units(units: Sequence[SolveUnit], w: World, device, owners: Optional[Sequence[int]] = None,
+              among: Optional[Sequence[int]] = None) -> list:
     """Every unit's result on every rank: each rank solves the units it owns
-    (``owners``, default ``assign`` by cost), then each is broadcast from its owner."""
-    owners = list(owners) if owners is not None else assign([u.cost for u in units], w.size)
+    (``owners``, default ``assign`` by cost over ``among``), then each is
+    broadcast from its owner."""
+    owners = list(owners) if owners is not None else assign([u.cost for u in units], w.size, among)
     results = [u.solve() if owner == w.rank else None for u, owner in zip(units, owners)]
     return [broadcast(r, owner, w, device) for r, owner in zip(results, owners)]
 
@@ -458,5 +462,5 @@ def gather_report(entry: dict, w: World) -> list:
 
 
 __all__ = ["COLLECTIVE_TIMEOUT", "DEAD_AFTER_S", "SINGLE", "DistributedError", "PeerFailed", "SolveUnit", "World", "assign",
-           "broadcast", "env_world", "gather_items", "gather_report", "launch", "max_over_ranks", "peak_memory_bytes",
+           "broadcast", "env_world", "gather_first", "gather_report", "launch", "max_over_ranks", "peak_memory_bytes",
            "rank_device", "run_units", "shard", "sum_in_rank_order", "sum_int", "world"]

@@ -17,6 +17,13 @@
       calibrated max |x| after smoothing, 4/6 rule for the activations);
    e. propagate: run the quantized block to produce the next block's inputs.
 3. The LM head, when not ignored, is rounded on the final norm's outputs.
+
+Under torchrun (a process group is initialized) the same steps run on every
+rank through the hooks into ``fp4ptq.distributed``: each rank captures and
+propagates its share of the calibration sequences (whole batches), the
+statistics are reduced before anything is solved, and the searches and
+roundings are solve units split over the ranks by cost, their results
+broadcast. Alone, every hook is a local step.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from . import __version__, nvfp4
+from . import __version__, distributed, nvfp4
 from .config import QuantConfig
 from .methods import awq, smoothing, smoothquant
 from .methods.gptq import gptq, hessian_update
@@ -65,6 +72,9 @@ class BlockInputs:
 
     hidden: list
     calls: list
+    start: int = 0   # global index of hidden[0] (a rank holds sequences [start, start + len(hidden)))
+    total: int = 0   # sequences of the whole run, over all ranks
+    unit: int = 1    # sequences per batch (the ranks' shares are whole batches)
 
 
 class _Recorder(nn.Module):
@@ -122,9 +132,9 @@ class InputStats:
     keep_samples: int = 0                       # sequences kept for the searches
     hessian_wanted: bool = False
     absmax: Optional[torch.Tensor] = None       # [in] fp32 max |x|
-    abs_sum: Optional[torch.Tensor] = None      # [in] fp32 sum |x|
+    abs_sum: Optional[torch.Tensor] = None      # [in] sum |x|: float64 while collecting, fp32 once reduced
     tokens: int = 0
-    hessian: Optional[torch.Tensor] = None      # [in, in] fp32 sum x x^T
+    hessian: Optional[torch.Tensor] = None      # [in, in] sum x x^T: float64 while collecting, fp32 once reduced
     samples: list = field(default_factory=list)  # inputs [1, T, in] of the first keep_samples sequences
 
     @torch.no_grad()
@@ -139,17 +149,22 @@ class InputStats:
         xf = x.detach().reshape(-1, x.shape[-1]).float()
         amax, asum = xf.abs().amax(0), xf.abs().sum(0)
         self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
-        self.abs_sum = asum if self.abs_sum is None else self.abs_sum.add_(asum)
+        # Sums over batches in float64: any grouping of the batches (one rank or
+        # several, see fp4ptq.distributed) rounds to the same fp32 in all but
+        # boundary cases. Each batch's own sum stays fp32 (x's dtype picks the
+        # Hessian's matmul precision).
+        self.abs_sum = asum.double() if self.abs_sum is None else self.abs_sum.add_(asum)
         self.tokens += xf.shape[0]
         if self.hessian_wanted:
-            self.hessian = hessian_update(self.hessian, x.detach())  # its dtype picks the matmul precision
+            update = hessian_update(None, x.detach())
+            self.hessian = update.double() if self.hessian is None else self.hessian.add_(update)
         for seq in x.detach().split(1):  # x: [batch, T, in] -> sequences [1, T, in]
             if len(self.samples) >= self.keep_samples:
                 break
             self.samples.append(seq.clone())
 
     def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / max(self.tokens, 1)
+        return self.abs_sum.float() / max(self.tokens, 1)
 
     def input_amax(self) -> torch.Tensor:
         return self.absmax.max()
@@ -203,10 +218,15 @@ def _batches(sequences: list) -> Iterator[tuple]:
     to ``[b, T, d]`` with about TOKENS_PER_CALL tokens. The recorded call
     arguments (rotary tables ``[1, T, hd]``, a ``[1, 1, T, T]`` mask or None)
     broadcast over the batch."""
-    per_call = max(1, TOKENS_PER_CALL // max(1, sequences[0].shape[1])) if sequences else 1
+    per_call = sequences_per_call(sequences[0].shape[1]) if sequences else 1
     for start in range(0, len(sequences), per_call):
         chunk = sequences[start : start + per_call]
         yield start, start + len(chunk), torch.cat(chunk) if len(chunk) > 1 else chunk[0]
+
+
+def sequences_per_call(seqlen: int) -> int:
+    """Sequences per batch (counted from the run's first sequence on every rank)."""
+    return max(1, TOKENS_PER_CALL // max(1, seqlen))
 
 
 @torch.no_grad()
@@ -263,18 +283,42 @@ def smooth_group(
     and rescale ``stats``. ``call``: how ``inspect`` is called (an ``InspectCall``,
     or the block's ``(args, kwargs)`` for a table group). ``members``: the linears
     that will be quantized (default: all). Returns what was chosen (for the report)."""
+    record, scales = search_group(block, group, stats, config, call, members)
+    apply_smoothing(block, group, stats, scales, record)
+    return record
+
+
+def apply_smoothing(block: nn.Module, group: InputGroup, stats: InputStats, scales: Optional[torch.Tensor],
+                    record: dict) -> None:
+    """Fold ``scales`` (from ``search_group``; None: nothing to fold), rescale ``stats``, note it in ``record``."""
+    if scales is None:
+        return
+    readers = [block.get_submodule(n) for n in (*group.linears, *group.readers)]
+    smoothing.fold_scales(block.get_submodule(group.prev), readers, scales, kind=group.fold or "auto")
+    stats.rescale(scales)
+    record["folded_into"] = group.prev
+    if group.readers:
+        record["compensated"] = list(group.readers)
+    record["scales"] = scales   # the caller rescales what else it holds of this input (expert inputs)
+
+
+@torch.no_grad()
+def search_group(
+    block: nn.Module, group: InputGroup, stats: InputStats, config: QuantConfig, call, members: Optional[list] = None,
+) -> tuple:
+    """The search half of ``smooth_group``: ``(record, scales or None)``, nothing changed."""
     if group.prev is None:
-        return {"skipped": group.why or "no module to fold the scales into"}
+        return {"skipped": group.why or "no module to fold the scales into"}, None
     if group.inspect is None or call is None:
-        return {"skipped": "no module takes exactly this input, so there is no output to compare"}
+        return {"skipped": "no module takes exactly this input, so there is no output to compare"}, None
     prev = block.get_submodule(group.prev)
     linears = [block.get_submodule(n) for n in group.linears]
     readers = linears + [block.get_submodule(n) for n in group.readers]
     quantized = [block.get_submodule(n) for n in (group.linears if members is None else members)]
     if not all(type(lin) is nn.Linear for lin in linears) or not smoothing.can_fold(prev, readers):
-        return {"skipped": "scales cannot be folded (channel counts differ, e.g. grouped-query v -> o)"}
+        return {"skipped": "scales cannot be folded (channel counts differ, e.g. grouped-query v -> o)"}, None
     if not quantized:
-        return {"skipped": "every linear of the group stays in high precision"}
+        return {"skipped": "every linear of the group stays in high precision"}, None
     inspect = block.get_submodule(group.inspect) if group.inspect else block
 
     if isinstance(call, InspectCall):
@@ -309,14 +353,49 @@ def smooth_group(
         record = {"smoothquant_alpha": key}
     record["loss"] = losses[key]
     record["loss_unsmoothed"] = losses.get(0.0 if config.transform == "awq" else None)
-    if key is not None and not torch.equal(s, identity):
-        smoothing.fold_scales(prev, readers, s, kind=group.fold or "auto")
-        stats.rescale(s)
-        record["folded_into"] = group.prev
-        if group.readers:
-            record["compensated"] = list(group.readers)
-        record["scales"] = s   # the caller rescales what else it holds of this input (expert inputs)
-    return record
+    return record, (s if key is not None and not torch.equal(s, identity) else None)
+
+
+def _search_waves(groups) -> list:
+    """``groups`` in runs whose searches can go in parallel, then fold in
+    order, with the result of searching and folding one by one: a group
+    starts a new run when an earlier fold of the run touches what its search
+    reads (its ``inspect`` module's subtree, the whole block for "", or its linears)."""
+    waves: list = []
+    for group in groups:
+        touched = [n for g in (waves[-1] if waves else ()) if g.prev is not None
+                   for n in (g.prev, *g.linears, *g.readers)]
+        read = tuple(r for r in (group.inspect, *group.linears) if r is not None)
+        if waves and not any(t == r or t.startswith(r + ".") or not r for t in touched for r in read):
+            waves[-1].append(group)
+        else:
+            waves.append([group])
+    return waves
+
+
+@torch.no_grad()
+def smooth_block(block: nn.Module, groups: list, stats: dict, config: QuantConfig, calls: dict, members: dict,
+                 inputs: BlockInputs, world: distributed.World, device) -> dict:
+    """Every group's smoothing: the searches split over the ranks that hold
+    sequences (they saw how each module is called), their results broadcast,
+    the folds in group order on every rank. Returns the records by group."""
+    records = {}
+    among = [r for r in range(world.size) if len(set(distributed.shard(inputs.total, inputs.unit, world, r))) == 2]
+    for wave in _search_waves(groups):
+        units = [distributed.SolveUnit(g.linears[0], _search_cost(block, g, config),
+                                       lambda g=g: search_group(block, g, stats[g], config, calls.get(g), members[g]))
+                 for g in wave]
+        for group, (record, scales) in zip(wave, distributed.run_units(units, world, device, among=among)):
+            apply_smoothing(block, group, stats[group], scales, record)
+            records[group] = record
+    return records
+
+
+def _search_cost(block: nn.Module, group: InputGroup, config: QuantConfig) -> float:
+    """Candidates x parameters the search runs its samples through."""
+    candidates = config.awq_grid if config.transform == "awq" else len(config.smoothquant_alphas) + 1
+    inspect = block.get_submodule(group.inspect) if group.inspect else block
+    return float(candidates * sum(p.numel() for p in inspect.parameters())) if group.inspect is not None else 0.0
 
 
 # --------------------------------------------------------------------------- #
@@ -354,16 +433,44 @@ def quantize_group(
     swap them for ``NVFP4Linear``: each set of ``group.rounding_sets()`` shares one
     weight global scale (one GPTQ over its stacked rows). Returns their
     ``fp4ptq_info["layers"]`` entries. ``rtn_only``: RTN whatever the method (no data)."""
-    entries = {}
+    unit = rounding_unit(block, spec, group, members, stats, config, prefix, rtn_only=rtn_only)
+    return install_group(block, group, members, stats, config, prefix, unit.solve())
+
+
+def _rounding_sets(group: InputGroup, members: list) -> list:
     chosen = set(members)
-    for names in group.rounding_sets():
-        names = [n for n in names if n in chosen]
-        if names:
-            entries.update(_round_set(block, spec, names, len(names) > 1, stats, config, prefix, rtn_only))
+    return [names for names in ([n for n in s if n in chosen] for s in group.rounding_sets()) if names]
+
+
+def rounding_unit(block: nn.Module, spec, group: InputGroup, members: list, stats: Optional[InputStats],
+                  config: QuantConfig, prefix: str, *, rtn_only: bool = False) -> distributed.SolveUnit:
+    """The rounding of ``quantize_group`` as one unit: its cost from the shapes
+    (GPTQ's column sweep ~ rows x cols^2, its Cholesky ~ cols^3); ``solve()``
+    returns the ``NVFP4Tensor``s of each rounding set (the block unchanged)."""
+    sets = _rounding_sets(group, members)
+    cost = 0.0
+    for names in sets:
+        shapes = [block.get_submodule(n).weight.shape for n in names]
+        rows, cols = sum(sh[0] for sh in shapes), shapes[0][1]
+        cost += rows * cols
+        cost += rows * cols * cols + cols ** 3 if config.rounding == "gptq" and not rtn_only else 0
+        cost += rows * cols * CLIP_TOKENS if config.transform == "awq" and config.awq_clip else 0
+    return distributed.SolveUnit(
+        _join(prefix, " + ".join(members)), float(cost),
+        lambda: [_round_set(block, spec, names, len(names) > 1, stats, config, prefix, rtn_only) for names in sets])
+
+
+def install_group(block: nn.Module, group: InputGroup, members: list, stats: Optional[InputStats],
+                  config: QuantConfig, prefix: str, rounded: list) -> dict:
+    """Swap ``members`` for ``NVFP4Linear``s holding ``rounded`` (a ``rounding_unit``'s
+    result); their report entries."""
+    entries = {}
+    for names, qs in zip(_rounding_sets(group, members), rounded):
+        entries.update(_install_set(block, names, stats, config, prefix, qs))
     return entries
 
 
-def _round_set(block, spec, members, fused, stats, config, prefix, rtn_only) -> dict:
+def _round_set(block, spec, members, fused, stats, config, prefix, rtn_only) -> list:
     linears = [block.get_submodule(n) for n in members]
     originals = [lin.weight.detach().float().clone() for lin in linears]
     # One global scale per fused set, fixed before clipping and rounding.
@@ -391,7 +498,13 @@ def _round_set(block, spec, members, fused, stats, config, prefix, rtn_only) -> 
             qs = [gptq(w, stats.hessian, amax=a, name=n, **gptq_kwargs) for w, a, n in zip(weights, amaxes, names)]
     else:
         qs = [rtn(w, four_six=config.four_six, amax=a, name=n) for w, a, n in zip(weights, amaxes, names)]
+    return qs
 
+
+def _install_set(block, members, stats, config, prefix, qs) -> dict:
+    linears = [block.get_submodule(n) for n in members]
+    originals = [lin.weight.detach().float() for lin in linears]
+    names = [_join(prefix, n) for n in members]
     entries = {}
     input_amax = stats.input_amax() if config.scheme == "w4a4" else None
     for name, full, lin, w, q in zip(members, names, linears, originals, qs):
@@ -534,8 +647,9 @@ def quantize(
 
     # Block inputs: the calibration data's, or (no data needed) a short synthetic
     # sequence that only shows discovery each block's structure.
+    world = distributed.world()
     if use_data:
-        inputs = capture_block_inputs(model, blocks, calib)
+        inputs = capture_sharded(model, blocks, calib, world)
         inputs.hidden = [h.to(device) for h in inputs.hidden]
         probe_inputs = None
     else:
@@ -545,7 +659,8 @@ def quantize(
         inputs = None
 
     layers, smoothing_info, groups_info = {}, {}, {}
-    bar = tqdm(range(len(blocks)), desc=f"fp4ptq {config.method} {config.scheme}", disable=not progress, unit="block")
+    bar = tqdm(range(len(blocks)), desc=f"fp4ptq {config.method} {config.scheme}", disable=not progress or not world.main,
+               unit="block")
     for index in bar:
         block = blocks[index]
         block_home = next(block.parameters()).device
@@ -553,7 +668,9 @@ def quantize(
         prefix = f"{layers_path}.{index}"
         source = inputs if use_data else probe_inputs
         call = _to_device(source.calls[index], device)
-        hidden = source.hidden[0].to(device)
+        # Discovery observes the run's first sequence, on every rank.
+        hidden = (distributed.gather_first([inputs.start], inputs.hidden[:1], 1, world, device)[0] if use_data
+                  else source.hidden[0]).to(device)
         plan = discover_block(block, hidden, call, probe=config.transform is not None)
         if spec is not None and layers_path == spec.layers:
             check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
@@ -581,8 +698,47 @@ def quantize(
         "fused_groups": [[_join(p, n) for n in f] for p, gs in groups_info.items() for g in gs for f in g["fused"]],
         "peak_memory": _peak_memory(device),
         "elapsed_s": round(time.perf_counter() - started, 3),
+        "ranks": distributed.gather_report(
+            {"rank": world.rank, "sequences": len(inputs.hidden) if inputs else 0, **_peak_memory(device)}, world),
     }
     return model
+
+
+def capture_sharded(model: nn.Module, blocks: nn.ModuleList, calib: torch.LongTensor,
+                    world: distributed.World) -> BlockInputs:
+    """``capture_block_inputs`` on this rank's share of ``calib`` (whole batches);
+    a rank with no share still records the blocks' call arguments."""
+    unit = sequences_per_call(calib.shape[1])
+    start, stop = distributed.shard(calib.shape[0], unit, world)
+    inputs = capture_block_inputs(model, blocks, calib[start:stop] if stop > start else calib[:1])
+    if stop == start:
+        inputs.hidden = []
+    inputs.start, inputs.total, inputs.unit = start, calib.shape[0], unit
+    return inputs
+
+
+def reduce_stats(stats: InputStats, features: int, keys: list, keep: int, hessian_dst,
+                 world: distributed.World, device) -> None:
+    """Make ``stats`` (this rank's data) the statistics of the whole run (see
+    fp4ptq.distributed), in fp32: the Hessian on every rank (``hessian_dst``
+    "all"), on that rank only, or dropped (None: nobody rounds with it); the
+    search samples are the ``keep`` of smallest ``keys`` (their places in the run)."""
+    stats.hessian_wanted = stats.hessian_wanted and hessian_dst is not None
+    if not stats.hessian_wanted:
+        stats.hessian = None
+    if stats.absmax is None:  # no data on this rank
+        stats.absmax = torch.zeros(features, device=device)
+        stats.abs_sum = torch.zeros(features, dtype=torch.float64, device=device)
+        if stats.hessian_wanted:
+            stats.hessian = torch.zeros(features, features, dtype=torch.float64, device=device)
+    stats.absmax = distributed.max_over_ranks(stats.absmax, world)
+    stats.abs_sum = distributed.sum_in_rank_order(stats.abs_sum, world)
+    stats.tokens = distributed.sum_int(stats.tokens, world, device)
+    if stats.hessian is not None:
+        stats.hessian = distributed.sum_in_rank_order(stats.hessian, world,
+                                                      dst=None if hessian_dst == "all" else hessian_dst)
+    if keep and world.parallel:   # alone, the samples already are the run's first
+        stats.samples = distributed.gather_first(keys, stats.samples, keep, world, device)
 
 
 @torch.no_grad()
@@ -606,12 +762,22 @@ def quantize_block(
     def list_of(name: str):
         return next((n for n in lists if name.startswith(n + ".")), None)
 
+    world = distributed.world()
+    if world.parallel and lists and config.moe_calib == "routed" and config.transform and inputs is not None:
+        raise distributed.DistributedError(
+            f"{prefix}: experts held as a list of modules (the older MoE form) with --moe-calib routed and "
+            f"{config.transform}: their search samples are single routed tokens, which fp4ptq does not yet order "
+            "across ranks; use --moe-calib all, or run in one process")
     members = {g: _split_quantizable(block, g, config, prefix, high) for g in plan.groups}
     dense = {g: [n for n in members[g] if expert_of(n) is None and list_of(n) is None] for g in plan.groups}
     list_groups = [g for g in plan.groups if list_of(g.linears[0])]
     routed_lists = config.moe_calib == "routed"
     parent_inputs = {name: [] for name in lists}
     expert_groups = [g for g in plan.groups if any(expert_of(n) for n in g.linears)]
+    rounded = [g for g in plan.groups if dense[g]]
+    # Owners first: each group's Hessian is summed on the rank that rounds it.
+    owners = distributed.assign([rounding_unit(block, spec, g, dense[g], None, config, prefix).cost for g in rounded],
+                                world.size)
     stats = dict.fromkeys(plan.groups)
     captured = {name: [] for name in experts}   # per experts module: its (x, top_k_index, top_k_weights) calls
     calls: dict = {}
@@ -647,33 +813,41 @@ def quantize_block(
             for h in handles:
                 h.remove()
         stats = dict(zip(plan.groups, stats_list))
+        dst = dict(zip(rounded, owners))
+        keys = [inputs.start + i for i in range(len(inputs.hidden))]
+        for g in plan.groups:
+            if stats[g] is not None:   # experts round with their group's Hessian on every rank
+                reduce_stats(stats[g], block.get_submodule(g.linears[0]).weight.shape[-1], keys, keep,
+                             "all" if g in expert_groups or g in list_groups else dst.get(g), world, device)
         if config.transform:
-            for g in plan.groups:
-                if stats[g] is None or g in list_groups:
-                    continue
-                record = smooth_group(block, g, stats[g], config, calls.get(g), members[g])
+            records = smooth_block(block, [g for g in plan.groups if stats[g] is not None and g not in list_groups],
+                                   stats, config, calls, members, inputs, world, device)
+            for g, record in records.items():
                 scales = record.pop("scales", None)
                 if scales is not None and g in expert_groups:
                     for name in experts:
                         captured[name] = [(x / scales.to(x.dtype), i, w) for x, i, w in captured[name]]
                 smoothing_info[_join(prefix, g.linears[0])] = record
-        elif any(g.why for g in plan.groups):
-            pass
     for g in plan.groups:
         if config.transform and inputs is None and g.why:
             smoothing_info[_join(prefix, g.linears[0])] = {"skipped": g.why}
-        if dense[g]:
-            layers.update(quantize_group(block, spec, g, dense[g], stats[g], config, prefix))
-    for name in lists:
+    units = [rounding_unit(block, spec, g, dense[g], stats[g], config, prefix) for g in rounded]
+    for g, result in zip(rounded, distributed.run_units(units, world, device, owners)):
+        layers.update(install_group(block, g, dense[g], stats[g], config, prefix, result))
+    batch_keys = ([inputs.start // inputs.unit + i for i in range(-(-len(inputs.hidden) // inputs.unit))]
+                  if inputs is not None else [])
+    for name in lists:   # every rank rounds these experts itself, from statistics reduced over the ranks
         layers.update(_quantize_expert_list(block, name, [g for g in list_groups if list_of(g.linears[0]) == name],
                                             stats, members, parent_inputs[name], config, prefix, smoothing_info,
-                                            use_data=inputs is not None))
+                                            use_data=inputs is not None, batch_keys=batch_keys, world=world,
+                                            device=device))
         parent_inputs[name] = None
     for name, module in experts.items():
         shared = [g for g in expert_groups if any(expert_of(n) == name and not n.endswith(_down(module)) for n in g.linears)]
         layers.update(_quantize_experts(block, name, module, plan, shared[0] if shared else None,
                                         stats.get(shared[0]) if shared else None, members, captured[name],
-                                        config, prefix, high, smoothing_info))
+                                        config, prefix, high, smoothing_info, use_data=inputs is not None,
+                                        batch_keys=batch_keys, world=world, device=device))
         captured[name] = None
     if inputs is not None:
         stats = None  # free the Hessians and search samples before the next pass
@@ -702,7 +876,7 @@ def _capture_input(store: list):
 
 @torch.no_grad()
 def _quantize_expert_list(block, name, groups, stats, members, inputs, config, prefix, smoothing_info,
-                          *, use_data) -> dict:
+                          *, use_data, batch_keys=(), world=distributed.SINGLE, device=None) -> dict:
     """The older MoE form (an ``nn.ModuleList`` of expert MLPs): one expert at a time, its
     groups' statistics from every token reaching the layer (``moe_calib="all"``), or from its
     routed tokens ("routed"; an expert that got none is rounded with RTN, named in a warning,
@@ -726,6 +900,9 @@ def _quantize_expert_list(block, name, groups, stats, members, inputs, config, p
                               "(moe_calib='routed'); it is rounded with RTN and its activation statistics come "
                               "from all tokens", stacklevel=2)
             own = _expert_stats(block, expert, local, todo, inputs, config, prefix, hessian=not no_data)
+            for g, st in own.items():   # one sample per captured batch of this rank
+                reduce_stats(st, block.get_submodule(g.linears[0]).weight.shape[-1], list(batch_keys),
+                             st.keep_samples, "all", world, device)
         for g in todo:
             st = own.get(g, routed.get(g))
             if config.transform and use_data and not no_data and st is not None and g.prev and st.tokens:
@@ -788,71 +965,108 @@ def _capture_experts(store: list):
 
 @torch.no_grad()
 def _quantize_experts(block, name, module, plan, shared_group, shared_stats, members, captured, config, prefix,
-                      high, smoothing_info) -> dict:
+                      high, smoothing_info, *, use_data: bool, batch_keys: list, world: distributed.World,
+                      device) -> dict:
     """Stream the experts of one ``LinearExperts``: per expert, its statistics (every
     calibration token under ``moe_calib="all"``, its routed tokens under "routed"),
     the down projection's smoothing, rounding and swap; then they are freed, so
     peak memory does not grow with the number of experts. An expert without data
-    is rounded with RTN and named in a warning."""
+    is rounded with RTN and named in a warning.
+
+    Over several ranks the experts go in runs of one per rank: each expert's
+    statistics are reduced onto the rank that then searches and rounds it (on a
+    copy), and every rank folds and swaps in the broadcast results.
+    ``captured`` holds this rank's batches; ``batch_keys`` their places in the run."""
     entries = {}
     gate_n, up_n, down_n = module[0].names
     chosen = {n for g in plan.groups for n in members[g]}
     groups_by_down = {g.linears[0]: g for g in plan.groups if len(g.linears) == 1}
-    use_data = bool(captured)
     xs = [x.reshape(-1, x.shape[-1]) for x, _, _ in captured] if use_data else []
-    for e, mlp in enumerate(module):
-        local = f"{name}.{e}"
-        full = _join(prefix, local)
-        rows = None
-        if use_data and config.moe_calib == "routed":
-            rows = [torch.where((idx == e).any(-1))[0] for _, idx, _ in captured]
-        x_e = [x if rows is None else x[r] for x, r in zip(xs, rows or [None] * len(xs))]
-        n_tokens = sum(int(x.shape[0]) for x in x_e)
-        no_data = use_data and n_tokens == 0
-        if no_data:
-            warnings.warn(f"fp4ptq: expert {full} received no calibration token (moe_calib='routed'); it is "
-                          "rounded with RTN and its activation statistics come from all tokens", stacklevel=2)
-            x_e = xs
-        # gate/up statistics: under "all" the shared group's (every token), else this expert's tokens
-        gu_stats = None
-        if use_data:
-            if rows is None and shared_stats is not None:
-                gu_stats = shared_stats
-            else:
-                gu_stats = InputStats(f"{full}.{gate_n} (input shared with {up_n})",
-                                      keep_samples=config.search_nsamples if config.transform else 0,
-                                      hessian_wanted=config.rounding == "gptq" and not no_data)
+    keep = config.search_nsamples if config.transform else 0
+    hidden_size, inter = module[0].projections()[0].in_features, module[0].projections()[2].in_features
+    for first in range(0, len(module), world.size):
+        run = list(range(first, min(first + world.size, len(module))))
+        units, applies = [], []
+        for owner, e in enumerate(run):
+            mlp = module[e]
+            local = f"{name}.{e}"
+            full = _join(prefix, local)
+            rows = None
+            if use_data and config.moe_calib == "routed":
+                rows = [torch.where((idx == e).any(-1))[0] for _, idx, _ in captured]
+            x_e = [x if rows is None else x[r] for x, r in zip(xs, rows or [None] * len(xs))]
+            n_tokens = distributed.sum_int(sum(int(x.shape[0]) for x in x_e), world, device) if use_data else 0
+            no_data = use_data and n_tokens == 0
+            if no_data:
+                warnings.warn(f"fp4ptq: expert {full} received no calibration token (moe_calib='routed'); it is "
+                              "rounded with RTN and its activation statistics come from all tokens", stacklevel=2)
+                x_e = xs
+            keys = [k for k, x in zip(batch_keys, x_e) if x.shape[0]]
+            hessian_dst = owner if config.rounding == "gptq" and not no_data else None
+            # gate/up statistics: under "all" the shared group's (every token), else this expert's tokens
+            gu_stats = None
+            if use_data:
+                if rows is None and shared_stats is not None:
+                    gu_stats = shared_stats
+                else:
+                    gu_stats = InputStats(f"{full}.{gate_n} (input shared with {up_n})", keep_samples=keep,
+                                          hessian_wanted=hessian_dst is not None)
+                    for x in x_e:
+                        if x.shape[0]:
+                            gu_stats.update(x.unsqueeze(0))
+                    reduce_stats(gu_stats, hidden_size, keys, keep, hessian_dst, world, device)
+            # down statistics: its input act(gate(x)) * up(x) with the float weights
+            down_stats = None
+            down_group = groups_by_down.get(f"{local}.{down_n}")
+            if use_data:
+                down_stats = InputStats(f"{full}.{down_n}", keep_samples=keep, hessian_wanted=hessian_dst is not None)
+                g, u, _ = mlp.projections()
                 for x in x_e:
                     if x.shape[0]:
-                        gu_stats.update(x.unsqueeze(0))
-        # down statistics: its input act(gate(x)) * up(x) with the float weights
-        down_stats = None
-        down_group = groups_by_down.get(f"{local}.{down_n}")
-        if use_data:
-            down_stats = InputStats(f"{full}.{down_n}", keep_samples=config.search_nsamples if config.transform else 0,
-                                    hessian_wanted=config.rounding == "gptq" and not no_data)
-            g, u, _ = mlp.projections()
-            for x in x_e:
-                if x.shape[0]:
-                    down_stats.update(module.apply_gate(g(x), u(x)).unsqueeze(0))
-            if config.transform and down_group is not None and not no_data:
+                        down_stats.update(module.apply_gate(g(x), u(x)).unsqueeze(0))
+                reduce_stats(down_stats, inter, keys, keep, hessian_dst, world, device)
+            rel = None
+            if config.transform and use_data and down_group is not None and not no_data:
                 rel = InputGroup((down_n,), up_n if down_group.prev == f"{local}.{up_n}" else None, down_n,
                                  fold="linear", why=down_group.why)
-                record = smooth_group(mlp, rel, down_stats, config, InspectCall((), {}, 0),
-                                      [down_n] if f"{local}.{down_n}" in chosen else [])
+            gu_group = InputGroup((gate_n, up_n), None, None, fused_sets=((gate_n, up_n),))
+            gu_members = [n for n in (gate_n, up_n) if f"{local}.{n}" in chosen]
+            down_members = [down_n] if f"{local}.{down_n}" in chosen else []
+            dn_group = InputGroup((down_n,), None, None)
+            args = (mlp, full, rel, gu_group, gu_members, gu_stats, dn_group, down_members, down_stats, no_data)
+            units.append(distributed.SolveUnit(full, 0.0, lambda args=args: _solve_expert(*args, config)))
+            applies.append(args)
+        results = distributed.run_units(units, world, device, owners=list(range(len(run))))
+        for (mlp, full, rel, gu_group, gu_members, gu_stats, dn_group, down_members, down_stats, no_data), \
+                (record, scales, gu_q, dn_q) in zip(applies, results):
+            if rel is not None:
+                apply_smoothing(mlp, rel, down_stats, scales, record)
                 record.pop("scales", None)
                 smoothing_info[f"{full}.{down_n}"] = record
-        gu_group = InputGroup((gate_n, up_n), None, None, fused_sets=((gate_n, up_n),))
-        gu_members = [n for n in (gate_n, up_n) if f"{local}.{n}" in chosen]
-        entries.update(quantize_group(mlp, None, gu_group, gu_members, gu_stats, config, full, rtn_only=no_data))
-        if f"{local}.{down_n}" in chosen:
-            entries.update(quantize_group(mlp, None, InputGroup((down_n,), None, None), [down_n], down_stats, config,
-                                          full, rtn_only=no_data))
-        if no_data:
-            for n in (gate_n, up_n, down_n):
-                if f"{full}.{n}" in entries:
-                    entries[f"{full}.{n}"]["note"] = "no routed calibration token: RTN"
+            entries.update(install_group(mlp, gu_group, gu_members, gu_stats, config, full, gu_q))
+            if down_members:
+                entries.update(install_group(mlp, dn_group, down_members, down_stats, config, full, dn_q))
+            if no_data:
+                for n in (gate_n, up_n, down_n):
+                    if f"{full}.{n}" in entries:
+                        entries[f"{full}.{n}"]["note"] = "no routed calibration token: RTN"
     return entries
+
+
+def _solve_expert(mlp, full, rel, gu_group, gu_members, gu_stats, dn_group, down_members, down_stats, no_data,
+                  config) -> tuple:
+    """One expert's down smoothing search and roundings, on a copy of it (the
+    caller folds and swaps): ``(record, scales, gate/up tensors, down tensors)``."""
+    record, scales = {}, None
+    if rel is not None:
+        record, scales = search_group(mlp, rel, down_stats, config, InspectCall((), {}, 0), down_members)
+        if scales is not None:
+            mlp, down_stats = copy.deepcopy(mlp), copy.copy(down_stats)
+            apply_smoothing(mlp, rel, down_stats, scales, dict(record))
+    gu_q = rounding_unit(mlp, None, gu_group, gu_members, gu_stats, config, full, rtn_only=no_data).solve()
+    dn_q = (rounding_unit(mlp, None, dn_group, down_members, down_stats, config, full, rtn_only=no_data).solve()
+            if down_members else None)
+    return record, scales, gu_q, dn_q
 
 
 @torch.no_grad()
@@ -879,11 +1093,16 @@ def _quantize_head(model, layers_path: str, config: QuantConfig, inputs, device,
     # which must not follow it there.
     set_module(model, head_path, copy.deepcopy(head).to(device))
     stats = None
+    world = distributed.world()
     if use_data:
         stats = InputStats(head_path, hessian_wanted=config.rounding == "gptq")
         for h in inputs.hidden:
             stats.update(norm(h))
-    entries = quantize_group(model, None, group, members, stats, _no_transform(config), "")
+        reduce_stats(stats, model.get_submodule(head_path).weight.shape[-1], [], 0, 0, world, device)
+    config = _no_transform(config)
+    (rounded,) = distributed.run_units([rounding_unit(model, None, group, members, stats, config, "")], world, device,
+                                       owners=[0])
+    entries = install_group(model, group, members, stats, config, "", rounded)
     norm.to(homes[0])
     model.get_submodule(head_path).to(homes[1])
     return entries
