@@ -43,8 +43,14 @@ class CLIError(Exception):
         self.code = code
 
 
-def _say(message: str) -> None:
-    print(f"fp4ptq: {message}", file=sys.stderr, flush=True)
+def _say(message: str, *, every_rank: bool = False) -> None:
+    """A message on stderr; under torchrun from rank 0 only, unless ``every_rank`` (errors, prefixed with the rank)."""
+    from .distributed import world
+
+    w = world()
+    if every_rank or w.main:
+        print(f"fp4ptq: {f'rank {w.rank}: ' if w.parallel and every_rank else ''}{message}", file=sys.stderr,
+              flush=True)
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -205,9 +211,11 @@ def cmd_quantize(args) -> int:
     output = Path(args.output) if args.output else OUT_ROOT / f"{_model_name(args.model)}-{_recipe_slug(config)}"
     # Every cheap check before the model loads: leftovers, output, device, model path, calibration data.
     from .checkpoint import clean_leftovers
-    from .sources import check_finite_weights, load_source_model, resolve
+    from .distributed import env_world
+    from .sources import resolve
 
-    clean_leftovers(output)
+    if env_world().main:   # under torchrun, rank 0 alone touches the output's parent
+        clean_leftovers(output)
     _prepare_output(output, args.overwrite, "output directory")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
@@ -216,6 +224,49 @@ def cmd_quantize(args) -> int:
         raise CLIError(f"{args.model} is already a quantized checkpoint (its config.json has a quantization_config); "
                        "quantize the full-precision model it was made from", EXIT_UNSUPPORTED)
     _check_calib(config, args.calib)
+    from . import distributed
+
+    # Under torchrun: every rank quantizes its share, rank 0 writes while the others wait.
+    with distributed.launch(device) as (world, device), _warnings_on_rank0(world):
+        path, model, config = _quantize_and_save(args, config, output, device, dtype)
+    if not world.main:
+        return EXIT_OK
+    info = model.fp4ptq_info
+    errors = [r["rel_error"] for r in info["layers"].values() if r.get("rel_error") is not None]
+    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    mean_err = f", mean weight rel. error {sum(errors) / len(errors):.4f}" if errors else ""
+    stored = json.loads((Path(path) / "config.json").read_text())["fp4ptq"]["dtype"]
+    ranks = (info.get("peak_memory") or {}).get("ranks", [])
+    on_ranks = f" on {len(ranks)} ranks, rank 0's" if len(ranks) > 1 else ""
+    per_rank = ("; peak per rank: " + ", ".join(_peak_text(r).removeprefix(", peak ") for r in ranks)
+                if len(ranks) > 1 else "")
+    print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
+          f"{mean_err}; {size / 2**20:.1f} MiB of tensors (unquantized ones in {stored}) in {path} "
+          f"[{time.perf_counter() - started:.0f} s{on_ranks}{_peak_text(info.get('peak_memory'))}{per_rank}]. "
+          f"Next: fp4ptq inspect {path}; "
+          f"fp4ptq eval {path} --baseline {args.model or 'demo'} --tasks wikitext,arc_easy "
+          "(add --data-dir DIR without hub access)")
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _warnings_on_rank0(world):
+    """Ranks other than 0 keep quiet (rank 0 warns about the same layers)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        if not world.main:
+            warnings.simplefilter("ignore")
+        yield
+
+
+def _quantize_and_save(args, config, output: Path, device: str, dtype):
+    """Load, quantize (under torchrun: this rank's share) and save (rank 0 only);
+    ``(path or None, model, config)``."""
+    import fp4ptq
+
+    from .distributed import world
+    from .sources import check_finite_weights, load_source_model
 
     _say(f"loading {args.model or 'the demo model (SmolLM2-135M-Instruct)'} ...")
     try:
@@ -226,25 +277,18 @@ def cmd_quantize(args) -> int:
     check_finite_weights(model, src)
     config = _resolve_fused_ignore(model, config, args.ignore)
     calib_note = f", calibration {config.calib} {config.nsamples}x{config.seqlen}" if config.needs_calibration else ""
-    _say(f"quantizing: {_recipe_text(config.to_dict())}{calib_note}, on {device}")
+    w = world()
+    ranks = f" x {w.size} ranks ({w.backend})" if w.parallel else ""
+    _say(f"quantizing: {_recipe_text(config.to_dict())}{calib_note}, on {device}{ranks}")
     fp4ptq.quantize(model, config, tokenizer=tokenizer, device=device, progress=not args.quiet)
     model.fp4ptq_info["source"] = src.as_dict()
+    if not w.main:
+        return None, model, config
     save_dtype = None if args.dtype == "auto" else _dtype(args.dtype, device)   # None: the source's dtype
     _say(f"saving ({args.format}) to {output} ...")
     path = fp4ptq.save(model, output, tokenizer=tokenizer, overwrite=args.overwrite, format=args.format,
                        dtype=save_dtype)
-
-    info = model.fp4ptq_info
-    errors = [r["rel_error"] for r in info["layers"].values() if r.get("rel_error") is not None]
-    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-    mean_err = f", mean weight rel. error {sum(errors) / len(errors):.4f}" if errors else ""
-    stored = json.loads((Path(path) / "config.json").read_text())["fp4ptq"]["dtype"]
-    print(f"quantized {len(info['layers'])} linears of {_model_name(args.model)} ({_recipe_text(config.to_dict())})"
-          f"{mean_err}; {size / 2**20:.1f} MiB of tensors (unquantized ones in {stored}) in {path} "
-          f"[{time.perf_counter() - started:.0f} s{_peak_text(info.get('peak_memory'))}]. Next: fp4ptq inspect {path}; "
-          f"fp4ptq eval {path} --baseline {args.model or 'demo'} --tasks wikitext,arc_easy "
-          "(add --data-dir DIR without hub access)")
-    return EXIT_OK
+    return path, model, config
 
 
 def _peak_text(peak: Optional[dict]) -> str:
@@ -675,6 +719,7 @@ def _exit_code_for(exc: BaseException) -> Optional[int]:
     from .calib import CalibrationDataError
     from .checkpoint import CheckpointError
     from .config import ConfigError
+    from .distributed import DistributedError, PeerFailed
     from .eval.perplexity import EvalDataError
     from .models import UnsupportedArchitecture
     from .nvfp4 import NVFP4Error
@@ -682,7 +727,8 @@ def _exit_code_for(exc: BaseException) -> Optional[int]:
     from .sources import DamagedSourceError, SourceModelError
 
     table = (
-        (ConfigError, EXIT_USAGE),
+        (PeerFailed, EXIT_INTERNAL),
+        ((ConfigError, DistributedError), EXIT_USAGE),
         ((SourceModelError, EvalDataError, CalibrationDataError, CalibrationError, FileNotFoundError), EXIT_MISSING),
         ((UnsupportedArchitecture, CheckpointError, DamagedSourceError, NVFP4Error), EXIT_UNSUPPORTED),
     )
@@ -707,19 +753,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with _quiet_libraries(getattr(args, "quiet", False)):
             return args.func(args)
     except CLIError as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {exc}", every_rank=True)
         return exc.code
     except KeyboardInterrupt:
-        _say("interrupted")
+        _say("interrupted", every_rank=True)
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - mapped to an exit code below
         code = _exit_code_for(exc)
         if code is None:
             traceback.print_exc()
             _say(f"internal error: {type(exc).__name__}: {exc}. This is a bug; please report it with the "
-                 "traceback above.")
+                 "traceback above.", every_rank=True)
             return EXIT_INTERNAL
-        _say(f"error: {exc}")
+        _say(f"error: {exc}", every_rank=True)
         return code
 
 
