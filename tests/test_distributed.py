@@ -1,0 +1,227 @@
+"""Quantizing with 2 processes (torch.distributed, gloo on CPU), as torchrun runs
+``fp4ptq quantize``: the checkpoint equals the single-process one byte for byte
+for RTN, GPTQ and AWQ in W4A16 and W4A4; a rank that raises, is killed or
+stops answering ends every rank with exit code 1 and leaves no checkpoint.
+
+The ranks are forked from one forkserver (torch and transformers imported
+once), run ``fp4ptq.cli.main`` in-process and reuse themselves across the
+cases. Every process uses one thread: CPU GEMMs are reproducible at equal
+thread counts."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4ptq import cli, distributed, pipeline
+from test_eval_perplexity import build_model, build_tokenizer, write_data_dir
+
+# One sequence per batch: 4 batches, 2 per rank (the float64 sums regroup).
+TOKENS_PER_CALL = 16
+CASES = [(method, scheme) for method in ("rtn", "gptq", "awq") for scheme in ("w4a16", "w4a4")]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    tok = build_tokenizer(root / "src")
+    build_model(len(tok)).save_pretrained(root / "src")
+    write_data_dir(root / "data")
+    (root / "calib.txt").write_text((root / "data" / "wikitext2" / "wiki.test.raw").read_text() * 3)
+    return root
+
+
+def _argv(work: Path, method: str, scheme: str, out: Path) -> list:
+    argv = ["quantize", str(work / "src"), "--method", method, "--scheme", scheme, "--calib", str(work / "calib.txt"),
+            "--nsamples", "4", "--seqlen", "16", "--search-nsamples", "3", "--awq-grid", "4",
+            "--output", str(out), "--device", "cpu", "-q"]
+    if scheme == "w4a4":
+        argv += ["--four-six", "mse"]
+    if method == "awq":
+        argv += ["--awq-clip"]
+    return argv
+
+
+def _free_ports(n: int) -> list:
+    ports, socks = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _rank_main(rank: int, size: int, jobs: list, log: str, inject: tuple) -> None:
+    """One rank: run each ``(argv, port)`` job through the CLI, record the exit codes;
+    ``inject = (rank, "raise" | "kill" | "stop")`` fails that rank in block 1's rounding."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    torch.set_num_threads(1)
+    pipeline.TOKENS_PER_CALL = TOKENS_PER_CALL
+    distributed.DEAD_AFTER_S = 3.0
+    if inject and inject[0] == rank:
+        install = pipeline.install_group
+
+        def failing(block, members, stats, config, prefix, qs):
+            if prefix.endswith("layers.1"):
+                if inject[1] == "raise":
+                    raise RuntimeError("injected failure")
+                os.kill(os.getpid(), signal.SIGKILL if inject[1] == "kill" else signal.SIGSTOP)
+            return install(block, members, stats, config, prefix, qs)
+
+        pipeline.install_group = failing
+    codes = []
+    for argv, port in jobs:
+        os.environ.update(WORLD_SIZE=str(size), RANK=str(rank), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        codes.append(cli.main(argv))
+    Path(log + ".codes").write_text(json.dumps(codes))
+    os._exit(next((c for c in codes if c), 0))
+
+
+def _launch(tmp: Path, jobs: list, inject: tuple = (), size: int = 2, timeout: float = 120):
+    """Run the ranks; ``(exit codes of the processes, CLI codes per rank or None, logs)``."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama", "accelerate.utils",
+                                "fp4ptq.cli", "fp4ptq.calib", "fp4ptq.checkpoint", "fp4ptq.sources", "test_distributed"])
+    logs = [str(tmp / f"rank{r}.log") for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, jobs, logs[r], inject)) for r in range(size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for r, p in enumerate(procs):
+        p.join(max(1.0, deadline - time.monotonic()))
+        if inject and inject[1] == "stop" and r != inject[0]:
+            os.kill(procs[inject[0]].pid, signal.SIGKILL)   # the stopped rank never ends by itself
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    codes = [json.loads(Path(f + ".codes").read_text()) if Path(f + ".codes").exists() else None for f in logs]
+    return [p.exitcode for p in procs], codes, [Path(f).read_text(errors="replace") for f in logs]
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name == "fp4ptq_report.json":
+            ra, rb = (json.loads((d / name).read_text()) for d in (a, b))
+            for r in (ra, rb):
+                r.pop("elapsed_s"), r.pop("ranks")
+            assert ra == rb
+        elif name.endswith(".safetensors"):
+            (ha, da), (hb, db) = (_split_safetensors((d / name).read_bytes()) for d in (a, b))
+            assert ha == hb and da == db, name
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def _split_safetensors(data: bytes) -> tuple:
+    """``(header, tensor bytes)``: the header compared as JSON, since safetensors
+    writes its ``__metadata__`` map in a per-process hash order."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def test_two_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "TOKENS_PER_CALL", TOKENS_PER_CALL)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for method, scheme in CASES:
+            assert cli.main(_argv(work, method, scheme, tmp_path / f"one-{method}-{scheme}")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    jobs = [(_argv(work, m, s, tmp_path / f"two-{m}-{s}"), port) for (m, s), port in zip(CASES, _free_ports(len(CASES)))]
+    exits, codes, logs = _launch(tmp_path, jobs)
+    assert exits == [0, 0] and codes == [[0] * len(CASES)] * 2, logs
+    for method, scheme in CASES:
+        one, two = tmp_path / f"one-{method}-{scheme}", tmp_path / f"two-{method}-{scheme}"
+        _same_checkpoint(one, two)
+        ranks = json.loads((two / "fp4ptq_report.json").read_text())["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["peak_memory_bytes"] > 0 for r in ranks)
+        assert [r["sequences"] for r in ranks] == ([0, 0] if (method, scheme) == ("rtn", "w4a16") else [2, 2])
+    assert "fp4ptq: quantizing" in logs[0] and "fp4ptq: quantizing" not in logs[1]   # rank 0 speaks
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "stop"])
+def test_a_failing_rank_ends_every_rank_with_exit_code_1_and_no_checkpoint(work, tmp_path, fault):
+    # raise: rank 1's error is recorded for rank 0's watchdog; kill: rank 0 (the
+    # store's host) dies, rank 1 loses its collective and its store; stop: rank 1
+    # hangs without dying (as a dead NCCL peer looks), found by its silent heartbeat.
+    failing = 0 if fault == "kill" else 1
+    out = tmp_path / "ckpt"
+    (port,) = _free_ports(1)
+    exits, codes, logs = _launch(tmp_path, [(_argv(work, "gptq", "w4a4", out), port)], inject=(failing, fault))
+    survivor = 1 - failing
+    assert exits[survivor] == 1, logs
+    assert exits[failing] == (1 if fault == "raise" else -signal.SIGKILL), logs
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
+    if fault == "raise":
+        assert "rank 1 failed: RuntimeError: injected failure" in logs[0], logs
+    elif fault == "stop":
+        assert "rank 1 has not answered" in logs[0], logs
+
+
+def test_assignment_is_balanced_by_cost_and_deterministic():
+    costs = [10.0, 1.0, 7.0, 3.0, 3.0, 6.0]
+    owners = distributed.assign(costs, 2)
+    assert owners == distributed.assign(costs, 2)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    assert loads == [16.0, 14.0]   # longest first: within 4/3 of the best split (15, 15)
+    assert distributed.assign([1.0, 1.0, 1.0], 4) == [0, 1, 2]
+    assert distributed.assign(costs, 1) == [0] * len(costs)
+
+
+def test_shards_are_whole_batches_counted_from_the_first_sequence():
+    for size in (1, 2, 3, 4, 8):
+        w = distributed.World(size=size, rank=0)
+        bounds = [distributed.shard(10, 4, w, r) for r in range(size)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == 10
+        assert all(a == b for (_, a), (b, _) in zip(bounds, bounds[1:]))
+        assert all(a % 4 == 0 for a, _ in bounds)
+
+
+def test_float64_regrouping_moves_float32_sums_by_at_most_one_ulp():
+    # The stated bound: fp32 per-batch sums added in float64 in any grouping
+    # (one rank: b0+b1+b2+b3; two: (b0+b1)+(b2+b3)) round to float32 values at
+    # most one ulp apart, and equal except near a rounding boundary.
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4096, generator=g) * 10 ** torch.randint(-3, 4, (4096,), generator=g) for _ in range(8)]
+    one = torch.zeros(4096, dtype=torch.float64)
+    for b in batches:
+        one += b
+    halves = [torch.zeros(4096, dtype=torch.float64) for _ in range(2)]
+    for i, b in enumerate(batches):
+        halves[i // 4] += b
+    a, b = one.float(), (halves[0] + halves[1]).float()
+    ulp = torch.nextafter(a.abs(), torch.tensor(float("inf"))) - a.abs()
+    assert bool(((a - b).abs() <= ulp).all())
+    assert float((a != b).float().mean()) < 1e-3
+
+
+def test_bad_torchrun_environment_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(distributed.DistributedError, match="RANK='two'"):
+        distributed.env_world()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(distributed.DistributedError, match="0 <= RANK < WORLD_SIZE"):
+        distributed.env_world()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert distributed.env_world() == distributed.SINGLE and distributed.world() == distributed.SINGLE
