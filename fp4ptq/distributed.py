@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import resource
 import sys
 import threading
 import time
@@ -445,14 +444,6 @@ def run_units(units: Sequence[SolveUnit], w: World, device, owners: Optional[Seq
 # --------------------------------------------------------------------------- #
 # Reporting
 # --------------------------------------------------------------------------- #
-def peak_memory_bytes(device) -> int:
-    """This process's peak: CUDA memory allocated on a CUDA ``device``, else the peak RSS."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux: KiB
-
-
 def gather_report(entry: dict, w: World) -> list:
     """Every rank's ``entry`` (small plain values), in rank order."""
     import torch.distributed as dist
@@ -465,5 +456,5 @@ def gather_report(entry: dict, w: World) -> list:
 
 
 __all__ = ["COLLECTIVE_TIMEOUT", "DEAD_AFTER_S", "SINGLE", "DistributedError", "PeerFailed", "SolveUnit", "World", "assign",
-           "broadcast", "env_world", "gather_first", "gather_report", "launch", "max_over_ranks", "peak_memory_bytes",
+           "broadcast", "env_world", "gather_first", "gather_report", "launch", "max_over_ranks",
            "rank_device", "run_units", "shard", "sum_in_rank_order", "sum_int", "world"]

@@ -1,7 +1,9 @@
 """Quantizing with 2 processes (torch.distributed, gloo on CPU), as torchrun runs
 ``fp4ptq quantize``: the checkpoint equals the single-process one byte for byte
-for RTN, GPTQ and AWQ in W4A16 and W4A4; a rank that raises, is killed or
-stops answering ends every rank with exit code 1 and leaves no checkpoint.
+for RTN, GPTQ and AWQ in W4A16 and W4A4, on a tiny Llama (through the CLI) and
+a tiny Qwen3-MoE (through the Python API, experts calibrated on their routed
+tokens or on all); a rank that raises, is killed or stops answering ends every
+rank with exit code 1 and leaves no checkpoint.
 
 The ranks are forked from one forkserver (torch and transformers imported
 once), run ``fp4ptq.cli.main`` in-process and reuse themselves across the
@@ -27,6 +29,9 @@ from test_eval_perplexity import build_model, build_tokenizer, write_data_dir
 # One sequence per batch: 4 batches, 2 per rank (the float64 sums regroup).
 TOKENS_PER_CALL = 16
 CASES = [(method, scheme) for method in ("rtn", "gptq", "awq") for scheme in ("w4a16", "w4a4")]
+# The MoE cases: (method, scheme, moe_calib). AWQ runs on "all": with "routed" and more
+# than one batch, the down projections' search samples differ in length (not batchable).
+MOE_CASES = [(m, s, "all" if m == "awq" else "routed") for m, s in CASES] + [("gptq", "w4a4", "all")]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,39 @@ def work(tmp_path_factory):
     build_model(len(tok)).save_pretrained(root / "src")
     write_data_dir(root / "data")
     (root / "calib.txt").write_text((root / "data" / "wikitext2" / "wiki.test.raw").read_text() * 3)
+    _tiny_moe(len(tok)).save_pretrained(root / "moe")
     return root
+
+
+def _tiny_moe(vocab: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=4, num_experts_per_tok=2, vocab_size=vocab, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or name.endswith("gate.weight"):
+                p.normal_(0, 0.1)   # transformers initialises expert tensors and routers to zero
+    return model
+
+
+def _quantize_moe(work: Path, method: str, scheme: str, moe_calib: str, out: Path) -> int:
+    """The Python API under a process group, when there is one: every rank quantizes, rank 0 saves."""
+    import fp4ptq
+    from transformers import AutoModelForCausalLM
+
+    with distributed.launch("cpu") as (world, device):
+        model = AutoModelForCausalLM.from_pretrained(work / "moe").eval()
+        config = fp4ptq.QuantConfig(method=method, scheme=scheme, moe_calib=moe_calib, search_nsamples=3, awq_grid=4,
+                                    four_six="mse" if scheme == "w4a4" else None, awq_clip=method == "awq")
+        calib = torch.randint(4, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+        fp4ptq.quantize(model, config, calib, device=device, progress=False)
+        if world.main:
+            fp4ptq.save(model, out)
+    return 0
 
 
 def _argv(work: Path, method: str, scheme: str, out: Path) -> list:
@@ -74,19 +111,19 @@ def _rank_main(rank: int, size: int, jobs: list, log: str, inject: tuple) -> Non
     if inject and inject[0] == rank:
         install = pipeline.install_group
 
-        def failing(block, members, stats, config, prefix, qs):
-            if prefix.endswith("layers.1"):
+        def failing(*args):   # install_group(block, group, members, stats, config, prefix, rounded)
+            if args[5].endswith("layers.1"):
                 if inject[1] == "raise":
                     raise RuntimeError("injected failure")
                 os.kill(os.getpid(), signal.SIGKILL if inject[1] == "kill" else signal.SIGSTOP)
-            return install(block, members, stats, config, prefix, qs)
+            return install(*args)
 
         pipeline.install_group = failing
     codes = []
     for argv, port in jobs:
         os.environ.update(WORLD_SIZE=str(size), RANK=str(rank), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        codes.append(cli.main(argv))
+        codes.append(cli.main(argv) if isinstance(argv, list) else _quantize_moe(*argv))
     Path(log + ".codes").write_text(json.dumps(codes))
     os._exit(next((c for c in codes if c), 0))
 
@@ -120,7 +157,7 @@ def _same_checkpoint(a: Path, b: Path) -> None:
         if name == "fp4ptq_report.json":
             ra, rb = (json.loads((d / name).read_text()) for d in (a, b))
             for r in (ra, rb):
-                r.pop("elapsed_s"), r.pop("ranks")
+                r.pop("elapsed_s"), r.pop("ranks"), r.pop("peak_memory")
             assert ra == rb
         elif name.endswith(".safetensors"):
             (ha, da), (hb, db) = (_split_safetensors((d / name).read_bytes()) for d in (a, b))
@@ -145,17 +182,23 @@ def test_two_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypat
     try:
         for method, scheme in CASES:
             assert cli.main(_argv(work, method, scheme, tmp_path / f"one-{method}-{scheme}")) == 0
+        for case in MOE_CASES:
+            _quantize_moe(work, *case, tmp_path / ("one-moe-" + "-".join(case)))
     finally:
         torch.set_num_threads(threads)
-    jobs = [(_argv(work, m, s, tmp_path / f"two-{m}-{s}"), port) for (m, s), port in zip(CASES, _free_ports(len(CASES)))]
-    exits, codes, logs = _launch(tmp_path, jobs)
-    assert exits == [0, 0] and codes == [[0] * len(CASES)] * 2, logs
-    for method, scheme in CASES:
-        one, two = tmp_path / f"one-{method}-{scheme}", tmp_path / f"two-{method}-{scheme}"
+    jobs = [_argv(work, m, s, tmp_path / f"two-{m}-{s}") for m, s in CASES]
+    jobs += [(work, *case, tmp_path / ("two-moe-" + "-".join(case))) for case in MOE_CASES]
+    exits, codes, logs = _launch(tmp_path, list(zip(jobs, _free_ports(len(jobs)))))
+    assert exits == [0, 0] and codes == [[0] * len(jobs)] * 2, logs
+    names = [f"{m}-{s}" for m, s in CASES] + ["moe-" + "-".join(case) for case in MOE_CASES]
+    for name in names:
+        one, two = tmp_path / f"one-{name}", tmp_path / f"two-{name}"
         _same_checkpoint(one, two)
         ranks = json.loads((two / "fp4ptq_report.json").read_text())["ranks"]
-        assert [r["rank"] for r in ranks] == [0, 1] and all(r["peak_memory_bytes"] > 0 for r in ranks)
-        assert [r["sequences"] for r in ranks] == ([0, 0] if (method, scheme) == ("rtn", "w4a16") else [2, 2])
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["host_rss_bytes"] > 0 for r in ranks)
+        assert [r["sequences"] for r in ranks] == ([0, 0] if "rtn-w4a16" in name else [2, 2])   # RTN W4A16: no data
+    info = json.loads((tmp_path / "two-moe-gptq-w4a4-routed" / "fp4ptq_report.json").read_text())
+    assert sum(".experts." in n for n in info["layers"]) == 2 * 4 * 3   # 2 blocks x 4 experts x gate/up/down
     assert "fp4ptq: quantizing" in logs[0] and "fp4ptq: quantizing" not in logs[1]   # rank 0 speaks
 
 
