@@ -106,7 +106,7 @@ def _rank_main(rank: int, size: int, jobs: list, log: str, inject: tuple) -> Non
     os.dup2(fd, 2)
     torch.set_num_threads(1)
     pipeline.TOKENS_PER_CALL = TOKENS_PER_CALL
-    distributed.DEAD_AFTER_S = 3.0
+    distributed.HEARTBEAT_S, distributed.DEAD_AFTER_S = 0.2, 2.0
     distributed.GATHER_BYTES = 4096   # the 64 x 64 Hessians are gathered in 16 pieces
     if inject and inject[0] == rank:
         install = pipeline.install_group
