@@ -573,12 +573,14 @@ def _check_calib(calib, model) -> torch.LongTensor:
 PROBE_TOKENS = 16
 
 
-def _peak_memory(device: torch.device) -> dict:
+def _peak_memory(device: torch.device, world: distributed.World = distributed.SINGLE, sequences: int = 0) -> dict:
     import resource
 
     peak = {"host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.type == "cuda":
         peak["device_bytes"] = torch.cuda.max_memory_allocated(device)
+    if world.parallel:
+        peak["ranks"] = distributed.gather_report({"rank": world.rank, "sequences": sequences, **peak}, world)
     return peak
 
 
@@ -696,10 +698,10 @@ def quantize(
         "high_precision": high,
         "smoothing": smoothing_info,
         "fused_groups": [[_join(p, n) for n in f] for p, gs in groups_info.items() for g in gs for f in g["fused"]],
-        "peak_memory": _peak_memory(device),
+        # Under torchrun every rank's peak (and share of sequences) too; like the run time it
+        # stays out of the written report.
+        "peak_memory": _peak_memory(device, world, len(inputs.hidden) if inputs else 0),
         "elapsed_s": round(time.perf_counter() - started, 3),
-        "ranks": distributed.gather_report(
-            {"rank": world.rank, "sequences": len(inputs.hidden) if inputs else 0, **_peak_memory(device)}, world),
     }
     return model
 
