@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                 result.get("gpu_mem_cap_bytes") and result["model_bytes"] > result["gpu_mem_cap_bytes"]
             )
         if timer is not None:
-            run["phase_s"] = timer.take()  # nested: quantize_group includes gptq; run_block includes hooks' hessian_update
+            run["phase_s"] = timer.take()  # nested: _round_set includes gptq; run_block includes hooks' hessian_update
         result["runs"][name] = run
         save()
         print(f"{name}: {run['quantize_s']} s, peak GPU {run.get('peak_gpu_gib', '-')} GiB", flush=True)
@@ -187,9 +187,11 @@ class PhaseTimer:
         import importlib
 
         self.device, self.totals, self.patched = device, {}, []
-        pipeline = importlib.import_module("fp4ptq.pipeline")
-        for name in ("run_block", "smooth_group", "quantize_group", "capture_block_inputs", "gptq", "hessian_update"):
-            self._patch(pipeline, name)
+        # each function where its callers look it up: the block runner, the searches, the roundings
+        for module, name in (("pipeline", "run_block"), ("pipeline", "capture_block_inputs"),
+                             ("solve", "search_group"), ("solve", "_round_set"), ("solve", "gptq"),
+                             ("stats", "hessian_update")):
+            self._patch(importlib.import_module(f"fp4ptq.{module}"), name)
 
     def _patch(self, module, name) -> None:
         original = getattr(module, name)

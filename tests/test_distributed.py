@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4ptq import cli, distributed, pipeline
+from fp4ptq import cli, distributed, pipeline, stats
 from test_eval_perplexity import build_model, build_tokenizer, write_data_dir
 
 # One sequence per batch: 4 batches, 2 per rank (the float64 sums regroup).
@@ -110,7 +110,7 @@ def _rank_main(rank: int, size: int, jobs: list, log: str, inject: tuple) -> Non
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     torch.set_num_threads(1)
-    pipeline.TOKENS_PER_CALL = TOKENS_PER_CALL
+    stats.TOKENS_PER_CALL = TOKENS_PER_CALL
     distributed.HEARTBEAT_S, distributed.DEAD_AFTER_S = 0.2, 2.0
     distributed.GATHER_BYTES = 4096   # the 64 x 64 Hessians are gathered in 16 pieces
     if inject and inject[0] == rank:
@@ -165,7 +165,7 @@ def _same_checkpoint(a: Path, b: Path) -> None:
 
 
 def test_two_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "TOKENS_PER_CALL", TOKENS_PER_CALL)
+    monkeypatch.setattr(stats, "TOKENS_PER_CALL", TOKENS_PER_CALL)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
