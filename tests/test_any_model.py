@@ -396,3 +396,16 @@ def test_the_older_per_expert_linear_form_is_calibrated_and_quantized(mode, tmp_
     else:
         assert not unrouted and note is None
     assert torch.isfinite(_logits(model)).all()
+
+
+def test_routed_awq_over_several_batches_searches_on_each_experts_tokens(monkeypatch):
+    # an expert's routed tokens differ in number from batch to batch: its down search runs on token rows
+    from fp4ptq import stats
+
+    monkeypatch.setattr(stats, "TOKENS_PER_CALL", 16)   # one sequence a batch
+    model = tiny("qwen3_moe")
+    calib = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+    fp4ptq.quantize(model, QuantConfig(method="awq", moe_calib="routed", search_nsamples=4, awq_grid=3), calib,
+                    progress=False)
+    searched = [k for k, v in model.fp4ptq_info["smoothing"].items() if ".down_proj" in k and "loss" in v]
+    assert searched and torch.isfinite(_logits(model)).all()
