@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -65,17 +64,18 @@ ZOO_MS = (1, 2, 16, 64, 128, 1024)
 def _device(arch: int):
     """The kernels' host code as on a GPU of compute capability ``arch`` // 10 whose Gluon kernels passed
     their self-tests (sm_90-only ones refused below sm_90), with launches recorded instead of run."""
-    from fp4ptq.kernels import gemm, mma, quantize_kernel, wgmma, wsgemm
+    from fp4ptq.kernels import _common, dot_scaled, gemm, mma, quantize_kernel, wgmma, wsgemm
 
     mp = pytest.MonkeyPatch()
     cap = divmod(arch, 10)
     sms = ARCHS[arch]
     try:
-        mp.setattr(gemm, "INTERPRET", False)
+        mp.setattr(_common, "INTERPRET", False)
         mp.setattr(quantize_kernel, "INTERPRET", False)
-        mp.setattr(gemm, "_sm_count", lambda device: sms)
-        mp.setattr(gemm, "_capability", lambda device: cap)
-        mp.setattr(gemm, "_pdl_possible", lambda device: arch >= 90)
+        mp.setattr(_common, "_sm_count", lambda device: sms)
+        mp.setattr(_common, "_capability", lambda device: cap)
+        mp.setattr(_common, "_pdl_possible", lambda device: arch >= 90)
+        mp.setattr(dot_scaled, "ready", lambda device, fmt: "no FP4 tensor cores")
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
         mp.setattr(quantize_kernel, "quant16_supported", lambda device, dtype: True)
         mp.setattr(quantize_kernel, "_asm_kind",
@@ -83,7 +83,7 @@ def _device(arch: int):
         mp.setattr(mma, "ready", lambda device: None)
         for module in (wgmma, wsgemm):
             mp.setattr(module, "ready", lambda device: None if arch >= 90 else "sm_90 only")
-        for module in (gemm, mma, quantize_kernel, wgmma, wsgemm):
+        for module in (_common, mma, quantize_kernel, wgmma, wsgemm):
             mp.setattr(module, "Launch", _Recorded)
         for name in ("_gemm_kernel", "_dequant_kernel"):
             mp.setattr(gemm, name, _Direct(getattr(gemm, name)))
@@ -149,12 +149,12 @@ def _operands(m, n, k, dtype, bias):
 
 # Each case: (path, M, layer (N, K), bias, W4A4 operand, extra) -> the launches of that path's builder.
 def _gemv(m, n, k, dtype, bias, w4a4, dependent=False):
-    from fp4ptq.kernels import gemm
+    from fp4ptq.kernels import gemv
 
     words, sbits, enc = _weight(n, k)
     x, y, b = _operands(m, n, k, dtype, bias)
     xenc = enc if w4a4 else None
-    gemm._gemv6(x, words, sbits, enc, enc, b if bias else enc, y, m, n, k, bias, xenc,
+    gemv._gemv6(x, words, sbits, enc, enc, b if bias else enc, y, m, n, k, bias, xenc,
                 dependent=dependent)(x, y)
 
 
@@ -351,7 +351,7 @@ def _dot_scaled_hashes() -> dict:
 def dispatch_table() -> dict:
     """"sm_ARCH/layer/kind" -> "M1: path config | M16: ..." for the README's and the zoo's layers (kind:
     W4A16 or W4A4, bf16 or fp16); the config: the path's tile, split and options as its rules give them."""
-    from fp4ptq.kernels import gemm, mma, wgmma, wsgemm
+    from fp4ptq.kernels import dispatch, gemm, gemv, mma, wgmma, wsgemm
 
     out = {}
     for arch, sms in ARCHS.items():
@@ -361,7 +361,7 @@ def dispatch_table() -> dict:
                     for m in ms:
                         for dname, dtype in DTYPES.items():
                             for w4a4 in (False, True):
-                                path = gemm._auto_path(m, dtype, w4a4, k, device, n)
+                                path = dispatch.choose(m, dtype, w4a4, k, device, n)
                                 if path == "mma":
                                     cfg = mma.config(m, n, k, sms)
                                 elif path == "wgmma":
@@ -370,10 +370,10 @@ def dispatch_table() -> dict:
                                     c = wsgemm.config(m, n, k, sms)
                                     cfg = (c, wsgemm.plan(m, n, k, sms, c)[:4], wsgemm.swapped(c))
                                 elif path == "gemv6":
-                                    cfg = gemm._gemv7_config(m, n, k)
+                                    cfg = gemv._gemv7_config(m, n, k)
                                     if cfg is not None and dtype == torch.float16:
-                                        cfg = gemm._gemv7_f16_config(n, k, cfg)
-                                    cfg = ("gemv7", cfg) if cfg is not None else gemm._gemv6_config(m, n, k)
+                                        cfg = gemv._gemv7_f16_config(n, k, cfg)
+                                    cfg = ("gemv7", cfg) if cfg is not None else gemv._gemv6_config(m, n, k)
                                 elif path == "gemm":
                                     cfg = gemm._gemm_config(m, n, k)
                                 else:

@@ -216,24 +216,24 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
 
 def test_table_rule_follows_the_h200_measurements(monkeypatch):
     """Codes take the per-program table from 32768 tiles (64M elements) on, from 8192 under Four Over
-    Six, the scaled W4A4 operand never; ``FP4PTQ_QUANT16_TABLE`` forces either way."""
-    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
+    Six, the scaled W4A4 operand never; ``FORCE_TABLE`` forces either way."""
+    monkeypatch.setattr(qk, "FORCE_TABLE", None)
     assert not qk._use_table(16384, "packed") and not qk._use_table(32767, "packed")
     assert qk._use_table(32768, "packed") and qk._use_table(1 << 20, "packed")
     assert not qk._use_table(1 << 20, "scaled")
     assert qk._use_table(8192, "packed", "mse") and not qk._use_table(8191, "packed", "mae")
     assert not qk._use_table(1 << 20, "scaled", "mse")
-    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "1")
+    monkeypatch.setattr(qk, "FORCE_TABLE", True)
     assert qk._use_table(1, "scaled")
-    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "0")
+    monkeypatch.setattr(qk, "FORCE_TABLE", False)
     assert not qk._use_table(1 << 20, "packed")
 
 
 def test_table_layout_rule(monkeypatch):
     """Word-major for the standard codes, row-major under Four Over Six (the H200's faster of each)."""
-    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     assert qk._word_major(None) and not qk._word_major("mse") and not qk._word_major("max")
-    monkeypatch.setenv("FP4PTQ_QUANT16_WORD_MAJOR", "1")
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", True)
     assert qk._word_major("mse")
 
 
@@ -252,8 +252,8 @@ def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
     monkeypatch.setattr(qk, "_quantize16_kernel", Recorder("16-bit"))
     monkeypatch.setattr(qk, "_quantize_kernel", Recorder("fp32"))
     monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: True)
-    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
-    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
+    monkeypatch.setattr(qk, "FORCE_TABLE", None)
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     amax = torch.tensor(1.0)
     for rows in (1, 2, 3, 16):
         qk.launch_quantize(torch.zeros(rows, 4096, dtype=torch.bfloat16), amax)

@@ -45,7 +45,6 @@ benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional
 
@@ -54,8 +53,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._ints import cdiv, next_pow2
-from ._launch import Launch
+from ._common import Launch, cdiv, next_pow2
 
 # A word of 8 codes -> four 16-bit-float pairs, register p = codes (p, p + 4). Code i sits at bits
 # 4i..4i+3 (sign = bit 3). bf16: its magnitude goes to bits 6..8 of its half (shift 6 - 4i), the half
@@ -142,8 +140,8 @@ def _decode_mul_asm(mul: str = FMA_BF16) -> str:
 
 # The bf16 decode by multiply (``decode_mul_line``), bit-equal to the shifts; H200 (results/muldec_tc_h200.json,
 # 3 interleaved rounds): M = 16 on the six Llama-3.1 layers 0.5-2% faster (70B down 65.4 -> 64.1 us), M = 4 / 32
-# -6% to +2.4%. FP4PTQ_MMA_MULDEC=0: the shift decode.
-MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "1") != "0"
+# -6% to +2.4%. MULDEC = False: the shift decode.
+MULDEC = True
 
 _DECODE = gl.constexpr(_decode_asm())
 _DECODE_MUL = gl.constexpr(_decode_mul_asm())
@@ -476,7 +474,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     the programmatic dependent of the launch just before it, which must be the activations'
     quantize launch signalling it (``gemm.w4a4_pdl``); it copies its first weight steps before
     ``griddepcontrol.wait`` (plainly, should the driver refuse that: ``gemm.dependent_or_plain``)."""
-    from .gemm import _sm_count, dependent_or_plain, split_pdl, split_run, split_workspace
+    from ._common import _sm_count, dependent_or_plain, split_pdl, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -535,7 +533,7 @@ def product_check(fn, cases, device: torch.device) -> Optional[str]:
     wgmma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
     the reference decode: None, or the first relative error over 1e-2 (NaN included)."""
     from .. import nvfp4
-    from .gemm import _weight_views
+    from ._common import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k, dtype in cases:
