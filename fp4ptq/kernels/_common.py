@@ -643,3 +643,103 @@ def _weight_views(weight: NVFP4Tensor):
     sbits = weight.block_scale.contiguous().view(torch.uint8)  # [N, K/16]
     enc = weight.global_enc.reshape(1).to(torch.float32)
     return n, k, words, sbits, enc
+
+
+# --------------------------------------------------------------------------- #
+# Encoding: E2M1 codes and E4M3 block scales (the quantize kernels')
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _ge_bound(b64, STRICT: tl.constexpr):
+    """Smallest fp32 ``a`` with ``a > b64`` (``STRICT``) or ``a >= b64``, for a
+    per-block fp64 ``b64 >= 0``: then ``|x| > B`` (or ``>= B``) is ``|x| >= a``."""
+    b32 = b64.to(tl.float32)  # nearest
+    back = b32.to(tl.float64)
+    bits = b32.to(tl.int32, bitcast=True)
+    if STRICT:
+        bits = tl.where(back > b64, bits, bits + 1)
+    else:
+        bits = tl.where(back >= b64, bits, bits + 1)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_thresholds(step):
+    """Per-block fp32 thresholds ``T0..T6`` (``[BM, NB]``) such that the E2M1
+    index of ``fl(|x| / step)`` is the number of ``T_i <= |x|``; +inf for a
+    zero step (the reference stores zeros there)."""
+    s = step.to(tl.float64)
+    # Midpoints between E2M1 neighbours, displaced by half an fp32 ulp of the
+    # midpoint so ties fall to the even neighbour (see module doc):
+    # ">" tests: 0.25 + 2^-26, 1.25 + 2^-24, 2.5 + 2^-23, 5 + 2^-22
+    # ">=" tests: 0.75 - 2^-25, 1.75 - 2^-24, 3.5 - 2^-23
+    t0 = _ge_bound(s * 0.250000014901161193847656250, True)
+    t1 = _ge_bound(s * 0.749999970197677612304687500, False)
+    t2 = _ge_bound(s * 1.250000059604644775390625000, True)
+    t3 = _ge_bound(s * 1.749999940395355224609375000, False)
+    t4 = _ge_bound(s * 2.500000119209289550781250000, True)
+    t5 = _ge_bound(s * 3.499999880790710449218750000, False)
+    t6 = _ge_bound(s * 5.000000238418579101562500000, True)
+    zero = step <= 0.0
+    inf = float("inf")
+    return (tl.where(zero, inf, t0), tl.where(zero, inf, t1), tl.where(zero, inf, t2), tl.where(zero, inf, t3),
+            tl.where(zero, inf, t4), tl.where(zero, inf, t5), tl.where(zero, inf, t6))
+
+
+@triton.jit
+def e2m1_value(index):
+    """fp32 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} of an E2M1 index (0..7), by
+    bit moves: the index under fp16 bits 9..11 is the fp16 ``v * 2^-14``."""
+    half = (index << 9).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e4m3_rne(v):
+    """Round fp32 ``0 <= v <= 448`` to the nearest E4M3 value (ties to even).
+
+    Returns ``(value fp32, bits int32)``. Done in integer/fp32 arithmetic so
+    that it is exact everywhere (the Triton interpreter's fp8 cast is not).
+    Normal range (v >= 2^-6): keep 3 mantissa bits of the fp32 pattern with
+    round-half-even (a carry moves into the exponent, as it should); the E4M3
+    pattern is then the fp32 pattern's top bits rebiased (127 -> 7).
+    Subnormal range: multiples of 2^-9, i.e. ``RNE(v * 512)`` (2^23 trick);
+    that integer is also the E4M3 pattern (8 -> 2^-6, the first normal).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # & 0xFFF00000
+    normal_value = rounded.to(tl.float32, bitcast=True)
+    normal_bits = (rounded >> 20) - 960  # (exp - 120) << 3 | mantissa
+    sub_int = (v * 512.0 + 8388608.0) - 8388608.0  # RNE(v * 2^9), exact
+    sub_value = sub_int * 0.001953125
+    is_sub = v < 0.015625
+    value = tl.where(is_sub, sub_value, normal_value)
+    pattern = tl.where(is_sub, sub_int.to(tl.int32), normal_bits)
+    return value, pattern
+
+
+@triton.jit
+def e4m3_block_scale(bmax, global_enc, TARGET: tl.constexpr):
+    """``e4m3(min(bmax / TARGET * global_enc, 448))`` (the reference's order of
+    operations): ``(value fp32, E4M3 bit pattern int32)``."""
+    scale = tl.math.div_rn(bmax, TARGET) * global_enc
+    return e4m3_rne(tl.minimum(scale, 448.0))
+
+
+@triton.jit
+def _combine(a, b, RULE: tl.constexpr):
+    if RULE == 3:
+        return tl.maximum(a, b)
+    else:
+        return a + b
+
+
+@triton.jit
+def global_enc_from_amax(amax, FOUR_SIX: tl.constexpr):
+    """``6 * 448 / amax`` (``6 * 256 / amax`` with Four Over Six), 1 for amax 0,
+    clamped to the fp32 max: ``nvfp4.global_encode_scale`` bit for bit."""
+    numerator = 1536.0 if FOUR_SIX != 0 else 2688.0
+    # torch evaluates ``numerator / amax`` as ``reciprocal(amax) * numerator``
+    # (two roundings), on the CPU and on CUDA alike: do the same.
+    recip = tl.math.div_rn(amax * 0.0 + 1.0, tl.where(amax > 0.0, amax, 1.0))
+    enc = tl.where(amax > 0.0, recip * numerator, 1.0)
+    return tl.minimum(enc, 3.4028234663852886e38)
