@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from . import _common, gemv
+from ._common import cdiv
 
 GEMV_MAX_M = 2       # the GEMVs take M <= 2 rows
 MMA_MAX_M = 64       # mma.py takes M <= 64 (0: never; session-5 H200 sweeps, results/mma_h200_sweep*.json)
@@ -32,11 +34,17 @@ NO_LIMIT = 1 << 62
 # The first rule whose rows (least <= M <= most), kind (``w4a4``: True W4A4 only, None either) and every
 # condition in ``when`` (the functions of ``CONDITIONS``) hold picks the path. M <= 2 first.
 RULES = (
+    # M <= 2: bf16 below sm_80 takes the tiled GEMM; mma.py at M = 2 on layers of 4M weights and more
+    # (not the narrow ones where fp16 / W4A4 keep the GEMV) and on layers too large for gemv6's 32-bit
+    # offsets; the fp32 GEMV on those if mma.py cannot run; else gemv6 (gemv7 on the long-K layers)
     Rule("gemm", 1, GEMV_MAX_M, None, ("bf16_below_sm80",)),
     Rule("mma", 2, 2, None, ("at_least_4m_weights", "not_narrow_gemv6_kept", "mma_ready")),
     Rule("mma", 1, GEMV_MAX_M, None, ("too_many_blocks", "above_25m_weights", "mma_ready")),
     Rule("gemv4", 1, GEMV_MAX_M, None, ("too_many_blocks",)),
     Rule("gemv6", 1, GEMV_MAX_M, None, ()),
+    # M >= 3: W4A4 on the FP4 tensor cores (sm_100+); wsgemm.py where its rule takes the shape (sm_90,
+    # M = 33..1024, W4A4 to 2048 / 8192); mma.py to M = 64; wgmma.py at 65..128 (sm_90); then
+    # dequantize + cuBLAS from M = 64 and the tiled GEMM below (K % 64 != 0, or no Gluon)
     Rule("dot_scaled", GEMV_MAX_M + 1, NO_LIMIT, True, ("dot_scaled_ready",)),
     Rule("wsgemm", GEMV_MAX_M + 1, NO_LIMIT, None, ("wsgemm_preferred",)),
     Rule("mma", GEMV_MAX_M + 1, NO_LIMIT, None, ("mma_ready",)),
@@ -45,8 +53,6 @@ RULES = (
     Rule("gemm", 1, NO_LIMIT, None, ()),
 )
 Call = namedtuple("Call", "m n k dtype device w4a4")
-from . import _common, gemv
-from ._common import cdiv
 
 
 def _bf16_below_sm80(c: Call) -> bool:
@@ -123,21 +129,11 @@ def choose(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[
     """The path ``RULES`` pick for M rows of ``dtype`` activations times an [N, K] weight on ``device``
     (W4A4 when ``w4a4``). Its first answer for a Gluon path may run that kernel's self-test there.
 
-    M = 2 on layers of 4M weights and more takes mma.py (session-5 H200 runs: bf16 70B.gate_up
-    120 us against gemv6's 152, results/mma_h200_m2.json; session 7, results/m2_small_h200.json,
-    interleaved: 8B.o 9.2 against gemv6's 10.4 (bf16) and gemv4's 13.4 (fp16), Phi-3-mini o (9.4M)
-    8.3 against 9.5; SmolLM2's 0.6-1.8M-weight layers keep the GEMV), except bf16 on the layers
-    ``_gemv6_narrow`` names, where the constant-K gemv6 came out ahead (session 14,
-    results/m2_constk_h200.json: 8B.o 8.47 against 9.40, 8B.qkv 10.68 / 11.94, Gemma-2-9B o 8.20 /
-    9.15, Qwen2-7B qkv 10.78 / 11.24, Qwen2-7B o 8.87 / 8.99; mma.py still ahead on the split-K,
-    streamed and wide layers: 8B.down 16.84 / 18.25, Phi-3-mini o 8.29 / 9.13). Since the summing
-    pass became its split kernel's programmatic dependent (session 24, results/split_rules_h200*.json,
-    interleaved), bf16 W4A16 at M = 2 takes mma.py on the narrow layers too (gemv6 / mma.py: 8B o 8.52 /
-    8.41, Gemma-2-9B o 8.26 / 8.09, Qwen2-7B qkv 10.79 / 10.20, Qwen2-7B o 8.93 / 8.34, 8B qkv 10.63 /
-    10.79; mma.py's fp32 products also land 2x closer to the exact product), while fp16 (gemv6 ahead
-    0.5-6%) and W4A4 (mixed, -4% to +5%) keep gemv6 there. fp16 takes the same
-    paths as bf16 otherwise (session 21, results/gemv_fp16_h200.json: gemv6 / gemv7 1.27-1.69x the paths fp16
-    took before at M = 1, 1.12-1.21x mma.py at M = 2 on the narrow layers)."""
+    The measurements behind the M = 2 rows (``docs/KERNELS.md``): mma.py against gemv6 on layers of 4M
+    weights and more, results/mma_h200_m2.json, m2_small_h200.json; bf16 W4A16 on the narrow layers too
+    since its summing pass became a programmatic dependent (results/split_rules_h200*.json), fp16 (gemv6
+    0.5-6% ahead) and W4A4 (mixed) keep gemv6 there; fp16 takes bf16's rules otherwise
+    (results/gemv_fp16_h200.json)."""
     call = Call(m, n, k, dtype, device, w4a4)
     for rule in RULES:
         if rule.least <= m <= rule.most and rule.w4a4 in (None, w4a4) \
