@@ -592,7 +592,7 @@ def _quantize16_kernel(
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
     WORD_MAJOR: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+    if TRIGGER:  # (_common.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
         _gdc_launch_dependents()
     # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
     # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The

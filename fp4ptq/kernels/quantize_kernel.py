@@ -156,7 +156,7 @@ def _quantize_kernel(
     FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+    if TRIGGER:  # (_common.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
         _gdc_launch_dependents()
     # One program: BLOCK_M rows x BLOCKS_K blocks of 16 columns. Each block is
     # loaded as two halves of 8 so that one thread holds a whole block: the
@@ -390,7 +390,7 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
     ``run(x or words, amax)`` that allocates the outputs, launches, and returns what ``launch_quantize``
     does (the amax too is read at each call: a layer's static scale can change between calls).
     ``trigger``: the kernel signals ``griddepcontrol.launch_dependents`` as it starts, so that the
-    GEMM launched next as its programmatic dependent (``gemm.w4a4_pdl``) may start early."""
+    GEMM launched next as its programmatic dependent (``_common.w4a4_pdl``) may start early."""
     m, k = x.shape
     dev, dtype = x.device, x.dtype
     sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)

@@ -35,7 +35,7 @@ shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
   probably for that reason).
 * Numerics as mma.py: exact products ``x * (v * scale * 2^-26)`` (bf16;
   ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
-  once per output; split K through gemm.py's fp32 workspace and ordered sum.
+  once per output; split K through _common.py's fp32 workspace and ordered sum.
 
 Measured on the H200 (benchmarks/NOTES.md, "Kernels, sixth pass"): correct
 (1.66e-3 relative error, as the tiled GEMM), 1.05-1.37x the dequantize + cuBLAS

@@ -405,7 +405,7 @@ def _sum_split_tiles(j, n_summers, full_tiles, n_split, num_m, part_ptr, count_p
     ``n_split``, numbered from ``full_tiles``), each once its ``SPLITS`` parts have counted themselves
     done (an acquire poll of its counter; the parts are items before this one, so they were started
     first and finish without waiting on anything): their fp32 partials added in part order (``.cg``
-    loads from L2), + bias, rounded once into y (the bits of gemm.py's summing launch), up to 128 rows at
+    loads from L2), + bias, rounded once into y (the bits of _common.py's summing launch), up to 128 rows at
     a time (every part's loads of a chunk issued together: 16 loads of 16 bytes a part and thread, one L2
     round trip a chunk); then the counter is set back to 0 for the next launch."""
     ROWS: gl.constexpr = BM if BM < 128 else 128
@@ -636,7 +636,7 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     return full, parts, chunk, nt0, fill
 
 
-# The split tiles summed inside the launch (``summing_plan``): "0" keeps gemm.py's summing launch (comparisons)
+# The split tiles summed inside the launch (``summing_plan``): False keeps _common.py's summing launch (comparisons)
 SUMMERS = True
 # bytes a program adds up (fp32 partials read, the output written) in the time of one K step: about 70 GB/s
 # an SM (a guess on the safe side; 8B qkv at M = 1024 left 36 K steps for 5 tiles, and the sums hid in them)
