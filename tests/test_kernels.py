@@ -26,7 +26,7 @@ from fp4ptq.kernels import _common as cm, dispatch as dp, gemv as gv  # noqa: E4
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_qk = None  # quantize_kernel, for Triton helpers defined inside tests (set there)
+_qk = None  # quantize16, for Triton helpers defined inside tests (set there)
 _gm = None  # gemm, the same
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_triton_interpreter"
@@ -208,7 +208,8 @@ def test_fast_thresholds_equal_the_table_arithmetic(tk, f16):
     import triton.language as tl
 
     global _qk
-    _qk = tk[0]  # the jitted helper below resolves names in this module's globals
+    _qk = importlib.import_module("fp4ptq.kernels.quantize16")  # (the jitted helper below resolves names
+    # in this module's globals)
 
     @triton.jit
     def both(enc_ptr, fast_ptr, slow_ptr, F16: tl.constexpr):
