@@ -219,7 +219,7 @@ def our_kernel_names() -> tuple:
     import importlib
 
     names = set()
-    for mod in ("gemm", "quantize_kernel", "mma", "wgmma", "wsgemm", "dot_scaled"):
+    for mod in ("_common", "gemm", "gemv", "quantize_kernel", "mma", "wgmma", "wsgemm", "dot_scaled"):
         try:
             module = importlib.import_module(f"fp4ptq.kernels.{mod}")
         except Exception:  # noqa: BLE001 - Gluon missing here

@@ -40,6 +40,7 @@ def run() -> None:
     import torch
 
     from fp4ptq import nvfp4
+    from fp4ptq.kernels import dispatch
     from fp4ptq.kernels import gemm as gm
 
     dev = torch.device("cuda")
@@ -62,7 +63,7 @@ def run() -> None:
                 amax = x.float().abs().amax()
                 ref4 = nvfp4.quantize(x, four_six, amax=amax).dequantize(torch.float32) @ wref.T
                 row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "dtype": str(dt), "four_six": four_six,
-                       "path": gm._auto_path(m, dt, False, k, dev, n),
+                       "path": dispatch.choose(m, dt, False, k, dev, n),
                        "rel_err": harness.rel(gm.linear_w4a16(x, wq), x.float() @ wref.T),
                        "w4a4_rel_err": harness.rel(gm.linear_w4a4(x, wq, amax, four_six=four_six), ref4),
                        "cublas_us": harness.graph_us(lambda: x @ w.t()),
@@ -71,7 +72,7 @@ def run() -> None:
                 row["speedup"] = row["cublas_us"] / row["ours_us"]
                 if row["path"] == "wsgemm":  # what the rows before the warp-specialized kernel took
                     row["dequant_cublas_us"] = harness.graph_us(lambda: gm.linear_w4a16(x, wq, path="cublas"))
-                if gm._auto_path(m, dt, True, k, dev, n) == "wsgemm":
+                if dispatch.choose(m, dt, True, k, dev, n) == "wsgemm":
                     row["w4a4_cublas_path_us"] = harness.graph_us(
                         lambda: gm.linear_w4a4(x, wq, amax, four_six=four_six, path="cublas"))
                 record("rows", row)

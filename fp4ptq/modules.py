@@ -34,8 +34,8 @@ from .nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
 SCHEMES = ("w4a16", "w4a4")
 DECODE_CACHE_ENV = "FP4PTQ_DECODE_CACHE"
-# Eager CUDA calls go through launch plans kept per input shape (kernels.linear_plan); "0" turns them off.
-LAUNCH_PLANS = os.environ.get("FP4PTQ_LAUNCH_PLANS", "1") != "0"
+# Eager CUDA calls go through launch plans kept per input shape (kernels.linear_plan); False turns them off.
+LAUNCH_PLANS = True
 MAX_PLANS = 32  # input signatures kept per module (prefill of varying lengths adds one each)
 _UNSEEN, _SEEN_ONCE = object(), object()
 _WEIGHT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")

@@ -32,11 +32,12 @@ def sm90_dispatch(monkeypatch):
     """The GEMM dispatch as on an sm_90 GPU of 132 SMs on which every Gluon kernel passed its self-test
     (no GPU needed: the shape rules only); returns that device. Tests then make one kernel fail."""
     pytest.importorskip("triton.experimental.gluon")
-    from fp4ptq.kernels import gemm, mma, wgmma, wsgemm
+    from fp4ptq.kernels import _common as cm
+    from fp4ptq.kernels import mma, wgmma, wsgemm
 
-    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "INTERPRET", False)
     for kernel in (mma, wgmma, wsgemm):
         monkeypatch.setattr(kernel, "ready", lambda device: None)
-    monkeypatch.setattr(gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cm, "_sm_count", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return torch.device("cuda", 0)

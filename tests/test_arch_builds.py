@@ -2,7 +2,7 @@
 (wgmma.py, wsgemm.py) are kept off those GPUs by their guards; everything else the dispatch picks for bf16 / fp16
 activations on an A100 (sm_80), an A10 / RTX 30 (sm_86) or an L40S / RTX 40 (sm_89) must compile for
 them. The PTX features these kernels use are the same from sm_80 to sm_89, so sm_80 stands for the
-three. Built here without a GPU (``compile_target``), each within the target's shared memory; the GEMV launches are the ones ``gemm._gemv6``
+three. Built here without a GPU (``compile_target``), each within the target's shared memory; the GEMV launches are the ones ``gv._gemv6``
 builds for real layer shapes, recorded instead of run."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from compile_target import compile_for
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import quantize_kernel as qk
 from ptx_emulator import _halves, run_ptx
+from fp4ptq.kernels import _common as cm, dispatch as dp, gemv as gv  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -39,7 +40,7 @@ def _build(fn, types, constexprs, *, arch, **options):
 
 
 class _Recorded:
-    """Stands in for ``gemm.Launch``: keeps what would be launched."""
+    """Stands in for ``cm.Launch``: keeps what would be launched."""
     built: list = []
 
     def __init__(self, kernel, grid, args, slots, kwargs):
@@ -51,19 +52,19 @@ class _Recorded:
 
 def _gemv_launches(monkeypatch, dtype: torch.dtype) -> list:
     """Every distinct (kernel, compile-time arguments, argument types) ``_gemv6`` builds for SHAPES at
-    M = 1 and 2 (W4A16), and M = 1 W4A4 with the activations quantized in the GEMV (plain and 4/6)."""
-    monkeypatch.setattr(gm, "INTERPRET", False)
-    monkeypatch.setattr(gm, "Launch", _Recorded)
+    M = 1 and 2."""
+    monkeypatch.setattr(cm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "Launch", _Recorded)
     _Recorded.built = []
     meta = torch.device("meta")
     for n, k in SHAPES.values():
         words = torch.empty(n, k // 8, dtype=torch.int32, device=meta)
         sbits = torch.empty(n, k // 16, dtype=torch.uint8, device=meta)
         enc = torch.empty(1, dtype=torch.float32, device=meta)
-        for m, amax, four_six in ((1, None, None), (2, None, None), (1, enc, None), (1, enc, "mse")):
+        for m in (1, 2):
             x = torch.empty(m, k, dtype=dtype, device=meta)
             y = torch.empty(m, n, dtype=dtype, device=meta)
-            gm._gemv6(x, words, sbits, enc, enc, enc, y, m, n, k, False, None, amax=amax, four_six=four_six)
+            gv._gemv6(x, words, sbits, enc, enc, enc, y, m, n, k, False, None)
     seen, out = set(), []
     for kernel, args, kwargs in _Recorded.built:
         if any(a is None for a in args):  # the split-K summing pass (its per-call slots): compiled below
@@ -83,14 +84,12 @@ def _gemv_launches(monkeypatch, dtype: torch.dtype) -> list:
 
 @pytest.mark.parametrize("arch,dtype", [(80, torch.bfloat16), (80, torch.float16), (75, torch.float16)])
 def test_gemv_builds_compile_for_older_gpus(monkeypatch, arch, dtype):
-    """gemv6 / gemv7 (M <= 2, W4A16 and W4A4 with the activations quantized inside) for sm_80. gemv7's
+    """gemv6 / gemv7 (M <= 2) for sm_80. gemv7's
     bf16 activation pairs were ``mul.rn.bf16x2`` (PTX: sm_90 and later), so before this test an A100
     or an L40S stopped with a ptxas error on every long-K layer (Llama-3.1-8B's down projection) at
-    batch 1 in bf16. On sm_75 (T4, RTX 20) the GEMVs take fp16 activations only and W4A4 quantizes in
-    its own launch (``gemm.gemv_bf16_reason``), so only those builds are compiled there."""
+    batch 1 in bf16. On sm_75 (T4, RTX 20) the GEMVs take fp16 activations only
+    (``dp.gemv_bf16_reason``), so only those builds are compiled there."""
     launches = _gemv_launches(monkeypatch, dtype)
-    if arch < 80:
-        launches = [launch for launch in launches if not launch[2].get("QUANT_X")]
     kernels = {k.fn.__name__ if hasattr(k, "fn") else k.__name__ for k, *_ in launches}
     assert kernels == {"_gemv_resident_kernel", "_gemv_stream_kernel"}  # both GEMVs were reached
     for kernel, types, ce, divisible, opts in launches:
@@ -103,17 +102,17 @@ def test_bf16_gemv_calls_take_the_tiled_gemm_below_sm80(monkeypatch, capability)
     """On sm_75 bf16 activations at M <= 2 (W4A16 and W4A4) take the tiled GEMM, which builds there;
     fp16 keeps the GEMV; from sm_80 bf16 keeps it too."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gm, "INTERPRET", False)
-    monkeypatch.setattr(gm, "_capability", lambda device: capability)
+    monkeypatch.setattr(cm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "_capability", lambda device: capability)
     old = capability < (8, 0)
-    assert (gm.gemv_bf16_reason(cuda) is not None) == old
+    assert (dp.gemv_bf16_reason(cuda) is not None) == old
     if old:
-        assert "sm_80" in gm.gemv_bf16_reason(cuda) and "sm_75" in gm.gemv_bf16_reason(cuda)
+        assert "sm_80" in dp.gemv_bf16_reason(cuda) and "sm_75" in dp.gemv_bf16_reason(cuda)
     for m, n, k in ((1, 6144, 4096), (1, 4096, 14336), (2, 1536, 576)):
         for w4a4 in (False, True):
-            assert gm._auto_path(m, torch.bfloat16, w4a4, k, cuda, n) == ("gemm" if old else "gemv6")
-        assert gm._auto_path(1, torch.float16, False, k, cuda, n) == "gemv6"
-    assert gm.gemv_bf16_reason(torch.device("cpu")) is None
+            assert dp.choose(m, torch.bfloat16, w4a4, k, cuda, n) == ("gemm" if old else "gemv6")
+        assert dp.choose(1, torch.float16, False, k, cuda, n) == "gemv6"
+    assert dp.gemv_bf16_reason(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -136,7 +135,7 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
                                      "out_ptr": "*i16" if dtype == torch.bfloat16 else "*fp16"},
                 dict(BLOCK_N=32, BLOCK_B=16, OUT_BF16=dtype == torch.bfloat16), arch=80, num_warps=4,
                 enable_fp_fusion=False)
-    _build(gm._gemv_split_finish, {"part_ptr": "*fp32", "bias_ptr": dt, "y_ptr": dt},
+    _build(cm._gemv_split_finish, {"part_ptr": "*fp32", "bias_ptr": dt, "y_ptr": dt},
                 dict(SEGMENTS=4, HAS_BIAS=True, BLOCK=1024, PDL=False), arch=80, num_warps=4)
     monkeypatch.setattr(qk, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -172,7 +171,7 @@ def test_streamed_x_pairs_are_x_times_2_to_64_exactly(asm):
     else:  # the high halves of a and b
         a, b = other | (bits << 16), bits | (other << 16)
         want_lo, want_hi = values, values.flip(0)
-    lo, hi = _halves(run_ptx(getattr(gm, asm).value, a, b), torch.bfloat16)
+    lo, hi = _halves(run_ptx(getattr(gv, asm).value, a, b), torch.bfloat16)
     for got, want in ((lo, want_lo), (hi, want_hi)):
         exact = want * 2.0**64
         expect = torch.where(exact.abs() > torch.finfo(torch.bfloat16).max, exact.sign() * float("inf"), exact)

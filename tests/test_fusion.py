@@ -315,11 +315,11 @@ def test_generate_compiles_a_fused_model_into_one_graph_with_the_eager_tokens(mo
 
 def test_auto_path_names_the_dispatch_s_choice(monkeypatch):
     from fp4ptq import kernels
-    from fp4ptq.kernels import gemm
+    from fp4ptq.kernels import dispatch as dp
     assert kernels.auto_path(1, 4096, 4096, torch.bfloat16, torch.device("cpu")) == "reference"
     seen = []
     monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    monkeypatch.setattr(gemm, "_auto_path", lambda *args: seen.append(args) or "wsgemm")
+    monkeypatch.setattr(dp, "choose", lambda *args: seen.append(args) or "wsgemm")
     assert kernels.auto_path(512, 6144, 4096, torch.bfloat16, "cuda:0", w4a4=True) == "wsgemm"
     assert seen == [(512, torch.bfloat16, True, 4096, torch.device("cuda:0"), 6144)]
 

@@ -21,11 +21,12 @@ import torch
 
 from fp4ptq import kernels, nvfp4
 from fp4ptq.kernels import BackendUnavailable
+from fp4ptq.kernels import _common as cm, dispatch as dp, gemv as gv  # noqa: E402
 
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_qk = None  # quantize_kernel, for Triton helpers defined inside tests (set there)
+_qk = None  # quantize16, for Triton helpers defined inside tests (set there)
 _gm = None  # gemm, the same
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_triton_interpreter"
@@ -51,7 +52,7 @@ def tk():
     """(quantize_kernel, gemm), built under the Triton interpreter."""
     qk = importlib.import_module("fp4ptq.kernels.quantize_kernel")
     gm = importlib.import_module("fp4ptq.kernels.gemm")
-    assert gm.INTERPRET
+    assert cm.INTERPRET
     return qk, gm
 
 
@@ -207,7 +208,8 @@ def test_fast_thresholds_equal_the_table_arithmetic(tk, f16):
     import triton.language as tl
 
     global _qk
-    _qk = tk[0]  # the jitted helper below resolves names in this module's globals
+    _qk = importlib.import_module("fp4ptq.kernels.quantize16")  # (the jitted helper below resolves names
+    # in this module's globals)
 
     @triton.jit
     def both(enc_ptr, fast_ptr, slow_ptr, F16: tl.constexpr):
@@ -279,9 +281,7 @@ def _rel(y, ref):
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path,shapes", [
-    ("gemv", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
     ("gemv4", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
-    ("gemv5", [(1, 40, 80), (2, 33, 48), (1, 17, 1040)]),
     ("gemm", [(3, 70, 272), (17, 65, 144), (70, 130, 96)]),
     ("cublas", [(5, 33, 64)]),
 ])
@@ -310,12 +310,12 @@ def test_gemv6_matches_dequantized_matmul(tk, monkeypatch, m, n, k):
     wq = _weight(n, k, seed=n)
     big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
-    rule = gm._gemv6_config
+    rule = gv._gemv6_config
     for x in (big[:, :k].contiguous().bfloat16(), big.bfloat16()[:, 1:], big.half()[:, 1:]):
         _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, "_gemv6_config",
                                         lambda p: lambda m_, n_, k_: rule(m_, n_, k_)[:4] + (p,))
-    monkeypatch.setattr(gm, "_gemv6_config", rule)
-    assert gm._gemv6_config(m, n, k)[3] == (256 if k == 768 else k)
+    monkeypatch.setattr(gv, "_gemv6_config", rule)
+    assert gv._gemv6_config(m, n, k)[3] == (256 if k == 768 else k)
 
 
 @interpreted
@@ -332,7 +332,7 @@ def test_launch_plan_gives_the_dispatch_bits(tk, monkeypatch, lead, n, k, with_b
     again with other inputs of that shape, gives ``linear_w4a16``'s bits every time; an input whose
     address the GEMV's 8-byte loads cannot use is refused (None: the dispatch copies it)."""
     _, gm = tk
-    monkeypatch.setattr(gm, "GEMV7", "1" if gemv7 else "0")
+    monkeypatch.setattr(gv, "GEMV7", "1" if gemv7 else "0")
     wq = _weight(n, k, seed=n)
     bias = torch.randn(n).to(dtype) if with_bias else None
     g = torch.Generator().manual_seed(k)
@@ -367,7 +367,7 @@ def test_launch_plan_leaves_padded_scale_rows_to_the_dispatch(tk, monkeypatch):
     would hold past an in-place write to the weight; the dispatch takes those calls (None), before any
     launch is built."""
     _, gm = tk
-    monkeypatch.setattr(gm, "_auto_path", lambda *args, **kwargs: "wsgemm")
+    monkeypatch.setattr(dp, "choose", lambda *args, **kwargs: "wsgemm")
     assert gm.linear_plan(torch.randn(100, 1088).bfloat16(), _weight(64, 1088, seed=4)) is None
 
 
@@ -475,7 +475,7 @@ def _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, config_name, c
     ref = x.float() @ wq.dequantize(torch.float32).T + bias.float()
     got = []
     for prefetch in (False, True):
-        monkeypatch.setattr(gm, config_name, config_for(prefetch))
+        monkeypatch.setattr(gv, config_name, config_for(prefetch))
         out = torch.full((m, n), float("nan"), dtype=x.dtype)
         y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
         assert y.data_ptr() == out.data_ptr()
@@ -496,7 +496,7 @@ def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, k
     wq = _weight(n, k, seed=n + k)
     big = torch.randn(m, k + 1, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
-    monkeypatch.setattr(gm, "GEMV7", "1")
+    monkeypatch.setattr(gv, "GEMV7", "1")
     for x in (big[:, :k].contiguous().bfloat16(), big.half()[:, 1:], big.bfloat16()[:, 1:]):
         _gemv_with_and_without_prefetch(gm, monkeypatch, x, wq, bias, "_gemv7_config",
                                         lambda p: lambda m_, n_, k_: (4, 1, kc, 1, p))
@@ -519,21 +519,19 @@ def test_gemv7_streams_whole_rows_like_the_reference(tk, monkeypatch, m, n, k, k
 def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel, cfg, m, n, k):
     """gemv6 / gemv7 built with K/16 as a compile-time constant (rows at constant distances, the tile
     index clamped where the run-time build remaps rows past N) give the bits of the build that takes K
-    at run time (W4A16, and W4A4 with the activations quantized in gemv6), and the launcher picks the
+    at run time (W4A16, and W4A4 on the quantized activations), and the launcher picks the
     constant build only where N is whole row tiles."""
     _, gm = tk
-    monkeypatch.setattr(gm, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
-    monkeypatch.setattr(gm, kernel, lambda m_, n_, k_: cfg)
-    monkeypatch.setattr(gm, "GEMV6_NARROW_RUNTIME_K", False)  # the small test layers take the constant build too
+    monkeypatch.setattr(gv, "GEMV7", "1" if kernel == "_gemv7_config" else "0")
+    monkeypatch.setattr(gv, kernel, lambda m_, n_, k_: cfg)
     wq = _weight(n, k, seed=k + n)
     x = _activations(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
-    monkeypatch.setattr(gm, "W4A4_FUSED", True)  # W4A4 through gemv6's own quantizing prologue
     amax = x.float().abs().amax()
     got, got4 = [], []
     for const in (False, True):
-        monkeypatch.setattr(gm, "GEMV_CONST_K", const)
-        assert gm._const_kb(n, k, cfg[0]) == (k // 16 if const else 0)
+        monkeypatch.setattr(gv, "GEMV_CONST_K", const)
+        assert gv._const_kb(n, k, cfg[0]) == (k // 16 if const else 0)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         got.append(gm.linear_w4a16(x, wq, bias, path="gemv6", out=out))
         if kernel == "_gemv6_config":
@@ -542,41 +540,7 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     assert torch.equal(got[0], got[1])
     if got4:
         assert torch.equal(got4[0], got4[1])
-    assert gm._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
-
-
-@interpreted
-def test_gemv6_keeps_the_run_time_k_build_where_it_measured_faster(tk):
-    """Narrow single-segment layers whose tiles load nothing ahead (8B qkv / o at M = 1) keep the
-    run-time-K build; two rows, split, loading-ahead and wider layers take the constant one."""
-    _, gm = tk
-    assert gm._gemv6_kb_c(1, 6144, 4096, 4, 1, False) == 0 and gm._gemv6_kb_c(1, 4096, 4096, 4, 1, False) == 0
-    assert gm._gemv6_kb_c(2, 6144, 4096, 4, 1, False) == 256     # M = 2
-    assert gm._gemv6_kb_c(1, 28672, 4096, 4, 1, True) == 256     # 8B gate_up: loads ahead
-    assert gm._gemv6_kb_c(1, 10240, 8192, 8, 1, False) == 512    # wider than 8192 rows
-    assert gm._gemv6_kb_c(1, 4096, 14336, 8, 7, False) == 896    # split K
-    assert gm._gemv6_kb_c(1, 6147, 4096, 4, 2, False) == 0       # a partial last tile
-
-
-@interpreted
-@pytest.mark.parametrize("four_six", [None, "mse"])
-def test_gemv6_quantizing_x_inside_equals_the_quantize_kernel_path(tk, monkeypatch, four_six):
-    """W4A4 with the activations quantized in the GEMV's prologue gives the same
-    bits as the quantize kernel followed by the GEMV (both K layouts), and fp16
-    activations take the fused path too (the quantized operand is bf16-exact)."""
-    _, gm = tk
-    for n, k in ((33, 160), (21, 768)):
-        wq = _weight(n, k, seed=k)
-        x = _activations(2, k, torch.bfloat16, seed=k)
-        amax = torch.tensor(3.0)
-        monkeypatch.setattr(gm, "W4A4_FUSED", True)
-        fused = gm.linear_w4a4(x, wq, amax, four_six=four_six, path="gemv6")
-        monkeypatch.setattr(gm, "W4A4_FUSED", False)
-        separate = gm.linear_w4a4(x, wq, amax, four_six=four_six, path="gemv6")
-        assert torch.equal(fused, separate), (n, k)
-        monkeypatch.setattr(gm, "W4A4_FUSED", True)
-        ref = kernels.linear_w4a4(x.half().float(), wq, amax, four_six=four_six, backend="reference")
-        assert _rel(gm.linear_w4a4(x.half(), wq, amax, four_six=four_six, path="gemv6"), ref) < 1e-2
+    assert gv._const_kb(n + 1, k, cfg[0]) == 0  # a partial last tile keeps the run-time build
 
 
 @interpreted
@@ -586,38 +550,30 @@ def test_gemv6_split_k_with_a_masked_last_segment(tk, monkeypatch, prefetch):
     16 blocks (masked x and weights), summed through the workspace like an even split."""
     _, gm = tk
     m, n, k = 2, 19, 272
-    monkeypatch.setattr(gm, "_gemv6_config", lambda m_, n_, k_: (4, 1, 8, 256, prefetch))
+    monkeypatch.setattr(gv, "_gemv6_config", lambda m_, n_, k_: (4, 1, 8, 256, prefetch))
     wq = _weight(n, k, seed=5)
     x = _activations(m, k, torch.bfloat16, seed=5)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).bfloat16()
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
     y = gm.linear_w4a16(x, wq, bias, path="gemv6", out=out)
     assert _rel(y, x.float() @ wq.dequantize(torch.float32).T + bias.float()) < 1e-2
-    # W4A4 with x quantized inside the GEMV (FP4PTQ_W4A4_FUSED): the same bits as quantize kernel + GEMV
-    amax = x.float().abs().amax()
-    monkeypatch.setattr(gm, "W4A4_FUSED", True)
-    fused = gm.linear_w4a4(x, wq, amax, bias, path="gemv6")
-    monkeypatch.setattr(gm, "W4A4_FUSED", False)
-    assert torch.equal(fused, gm.linear_w4a4(x, wq, amax, bias, path="gemv6"))
 
 
 def test_gemv6_segments_keep_lanes_busy_without_cutting_rows_short():
     """K a multiple of 2048: its power-of-two divisor up to the cap (the tuned Llama shapes);
     any other K: the fewest segments with 85% of the lanes busy (Qwen2-7B's K = 3584 in one
     masked segment, 18944 in 5 of 4096, not 37 of 512; a long K never in one segment)."""
-    from fp4ptq.kernels import gemm as gm
-
-    assert gm._gemv6_segment(14336, 4096) == 2048 and gm._gemv6_segment(28672, 8192) == 4096
-    assert gm._gemv6_segment(8192, 8192) == 8192 and gm._gemv6_segment(8192, 4096) == 4096
-    assert gm._gemv6_segment(3584, 4096) == 3584       # one segment, 224 of 256 blocks
-    assert gm._gemv6_segment(18944, 8192) == 4096      # 4 x 4096 + 2560
-    assert gm._gemv6_segment(11008, 4096) == 4096      # Llama-2-7B down: 2 x 4096 + 2816
-    assert gm._gemv6_segment(2560, 4096) == 512        # one segment would idle 37% of the lanes
-    assert gm._gemv6_segment(1040, 4096) == 1040       # one masked segment
-    assert gm._gemv6_segment(29568, 8192) == 8192      # Qwen2-72B down (K % 256 != 0): 3 x 8192 + 4992
+    assert gv._gemv6_segment(14336, 4096) == 2048 and gv._gemv6_segment(28672, 8192) == 4096
+    assert gv._gemv6_segment(8192, 8192) == 8192 and gv._gemv6_segment(8192, 4096) == 4096
+    assert gv._gemv6_segment(3584, 4096) == 3584       # one segment, 224 of 256 blocks
+    assert gv._gemv6_segment(18944, 8192) == 4096      # 4 x 4096 + 2560
+    assert gv._gemv6_segment(11008, 4096) == 4096      # Llama-2-7B down: 2 x 4096 + 2816
+    assert gv._gemv6_segment(2560, 4096) == 512        # one segment would idle 37% of the lanes
+    assert gv._gemv6_segment(1040, 4096) == 1040       # one masked segment
+    assert gv._gemv6_segment(29568, 8192) == 8192      # Qwen2-72B down (K % 256 != 0): 3 x 8192 + 4992
     for k in (80, 768, 1040, 1792, 2560, 3584, 5120, 11008, 13824, 18944, 29568, 12304):
         for cap in (4096, 8192):
-            seg = gm._gemv6_segment(k, cap)
+            seg = gv._gemv6_segment(k, cap)
             assert (seg == k and k <= cap) or (seg & (seg - 1) == 0 and 256 <= seg <= cap)
 
 
@@ -628,17 +584,17 @@ def test_gemv6_prefetches_on_large_and_narrow_layers(tk):
     (K one segment, N <= 8192: 4-row tiles, 4 programs an SM, twice the warps; tuned cold,
     results/narrow_ahead_h200.json); the others keep the plain loop."""
     _, gm = tk
-    assert gm._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
-    assert gm._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
-    assert gm._gemv6_config(1, 8192, 28672) == (4, 4, 16, 4096, True)    # 70B down: 7 segments
-    assert gm._gemv6_config(1, 4096, 14336) == (8, 2, 16, 2048, False)  # 8B down: 8 rows, 2 blocks a thread
-    assert gm._gemv6_config(1, 3072, 8192) == (8, 4, 16, 4096, False)    # Phi-3-mini down
-    assert gm._gemv6_config(1, 4096, 11008) == (4, 2, 16, 4096, False)   # Llama-2-7B down: masked tail, 4 rows
-    assert gm._gemv6_config(1, 576, 1536) == (4, 1, 16, 512, False)      # SmolLM2 down: 512-K segments
-    assert gm._gemv6_config(1, 6144, 4096) == (4, 4, 4, 4096, True)      # 8B qkv: 4 rows, 4 an SM, loading ahead
-    assert gm._gemv6_config(2, 6144, 4096) == (4, 2, 4, 4096, False)     # (M = 2: the warm-tuned config)
-    assert gm._gemv6_config(1, 960, 576) == (4, 1, 4, 576, True)         # SmolLM2 qkv: one warp
-    assert gm._gemv6_config(1, 12288, 4096) == (8, 2, 8, 4096, False)    # Llama-2-7B qkv: 8 rows, 8 an SM
+    assert gv._gemv6_config(1, 28672, 4096) == (4, 4, 8, 4096, True)     # 8B gate_up
+    assert gv._gemv6_config(1, 57344, 8192) == (4, 4, 4, 8192, True)     # 70B gate_up
+    assert gv._gemv6_config(1, 8192, 28672) == (4, 4, 16, 4096, True)    # 70B down: 7 segments
+    assert gv._gemv6_config(1, 4096, 14336) == (8, 2, 16, 2048, False)  # 8B down: 8 rows, 2 blocks a thread
+    assert gv._gemv6_config(1, 3072, 8192) == (8, 4, 16, 4096, False)    # Phi-3-mini down
+    assert gv._gemv6_config(1, 4096, 11008) == (4, 2, 16, 4096, False)   # Llama-2-7B down: masked tail, 4 rows
+    assert gv._gemv6_config(1, 576, 1536) == (4, 1, 16, 512, False)      # SmolLM2 down: 512-K segments
+    assert gv._gemv6_config(1, 6144, 4096) == (4, 4, 4, 4096, True)      # 8B qkv: 4 rows, 4 an SM, loading ahead
+    assert gv._gemv6_config(2, 6144, 4096) == (4, 2, 4, 4096, False)     # (M = 2: the warm-tuned config)
+    assert gv._gemv6_config(1, 960, 576) == (4, 1, 4, 576, True)         # SmolLM2 qkv: one warp
+    assert gv._gemv6_config(1, 12288, 4096) == (8, 2, 8, 4096, False)    # Llama-2-7B qkv: 8 rows, 8 an SM
 
 
 @interpreted
@@ -648,14 +604,14 @@ def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkey
     last segment is masked or segments are short (3-5% slower on the layers timed); the knob turns
     it off everywhere."""
     _, gm = tk
-    assert gm._gemv6_muldec(28672, 4096) and gm._gemv6_muldec(57344, 8192)   # 8B / 70B gate_up
-    assert gm._gemv6_muldec(4096, 14336) and gm._gemv6_muldec(6144, 4096)    # 8B down, 8B qkv
-    assert gm._gemv6_muldec(128256, 4096) and gm._gemv6_muldec(3072, 8192)   # 8B lm_head, Phi-3-mini down
-    assert not gm._gemv6_muldec(8192, 28672)                                 # 70B down: 7 segments
-    assert not gm._gemv6_muldec(4096, 11008) and not gm._gemv6_muldec(4608, 3584)  # masked last segment
-    assert not gm._gemv6_muldec(576, 1536)                                   # SmolLM2 down: 512-K segments
-    monkeypatch.setattr(gm, "GEMV6_MULDEC", False)
-    assert not gm._gemv6_muldec(28672, 4096)
+    assert gv._gemv6_muldec(28672, 4096) and gv._gemv6_muldec(57344, 8192)   # 8B / 70B gate_up
+    assert gv._gemv6_muldec(4096, 14336) and gv._gemv6_muldec(6144, 4096)    # 8B down, 8B qkv
+    assert gv._gemv6_muldec(128256, 4096) and gv._gemv6_muldec(3072, 8192)   # 8B lm_head, Phi-3-mini down
+    assert not gv._gemv6_muldec(8192, 28672)                                 # 70B down: 7 segments
+    assert not gv._gemv6_muldec(4096, 11008) and not gv._gemv6_muldec(4608, 3584)  # masked last segment
+    assert not gv._gemv6_muldec(576, 1536)                                   # SmolLM2 down: 512-K segments
+    monkeypatch.setattr(gv, "GEMV6_MULDEC", False)
+    assert not gv._gemv6_muldec(28672, 4096)
 
 
 @interpreted
@@ -664,20 +620,10 @@ def test_fp16_gemv7_takes_sixteen_row_tiles_on_the_largest_layers(tk):
     loaded ahead, the step that pads K less (70B down 256 blocks, Qwen2-72B down 128); smaller layers
     keep bf16's config."""
     _, gm = tk
-    assert gm._gemv7_f16_config(8192, 28672, gm._gemv7_config(1, 8192, 28672)) == (16, 4, 256, 4, False)
-    assert gm._gemv7_f16_config(8192, 29568, gm._gemv7_config(1, 8192, 29568)) == (16, 4, 128, 4, False)
+    assert gv._gemv7_f16_config(8192, 28672, gv._gemv7_config(1, 8192, 28672)) == (16, 4, 256, 4, False)
+    assert gv._gemv7_f16_config(8192, 29568, gv._gemv7_config(1, 8192, 29568)) == (16, 4, 128, 4, False)
     for n, k in ((4096, 14336), (3584, 18944)):
-        assert gm._gemv7_f16_config(n, k, gm._gemv7_config(1, n, k)) == gm._gemv7_config(1, n, k)
-
-
-def test_unknown_gemv7_knob_is_refused_with_its_name_and_choices():
-    """FP4PTQ_GEMV7 takes auto / 1 / 0; anything else stops the import with the variable, its value
-    and the choices (rather than silently forcing the streamed GEMV everywhere)."""
-    env = dict(os.environ, FP4PTQ_GEMV7="yes")
-    done = subprocess.run([sys.executable, "-c", "import fp4ptq.kernels.gemm"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode != 0
-    assert "FP4PTQ_GEMV7='yes'" in done.stderr and "auto" in done.stderr
+        assert gv._gemv7_f16_config(n, k, gv._gemv7_config(1, n, k)) == gv._gemv7_config(1, n, k)
 
 
 @interpreted
@@ -686,18 +632,18 @@ def test_gemv7_takes_the_long_k_layers(tk, monkeypatch):
     projections): 2 warps, 128-block steps and loading ahead where such steps divide K, else 4 warps
     and the step of 128 or 256 blocks that pads K less; gemv6 elsewhere; the knob forces either way."""
     _, gm = tk
-    assert gm._gemv7_config(1, 8192, 28672) == (8, 2, 128, 8, True)      # 70B down
-    assert gm._gemv7_config(1, 4096, 14336) == (8, 2, 128, 8, True)      # 8B down
-    assert gm._gemv7_config(1, 3584, 18944) == (8, 4, 256, 8, False)     # Qwen2-7B down: masked last step
-    assert gm._gemv7_config(1, 4096, 11008) == (8, 4, 256, 8, False)     # Llama-2-7B down
-    assert gm._gemv7_config(1, 8192, 29568) == (8, 4, 128, 8, False)     # Qwen2-72B down: 256 would pad more
-    assert gm._gemv7_config(1, 5120, 17920) == (8, 4, 128, 8, False)     # Phi-3-medium down
+    assert gv._gemv7_config(1, 8192, 28672) == (8, 2, 128, 8, True)      # 70B down
+    assert gv._gemv7_config(1, 4096, 14336) == (8, 2, 128, 8, True)      # 8B down
+    assert gv._gemv7_config(1, 3584, 18944) == (8, 4, 256, 8, False)     # Qwen2-7B down: masked last step
+    assert gv._gemv7_config(1, 4096, 11008) == (8, 4, 256, 8, False)     # Llama-2-7B down
+    assert gv._gemv7_config(1, 8192, 29568) == (8, 4, 128, 8, False)     # Qwen2-72B down: 256 would pad more
+    assert gv._gemv7_config(1, 5120, 17920) == (8, 4, 128, 8, False)     # Phi-3-medium down
     for n, k in ((57344, 8192), (28672, 4096), (6144, 4096), (576, 1536)):  # one segment, or small
-        assert gm._gemv7_config(1, n, k) is None
-    monkeypatch.setattr(gm, "GEMV7", "0")
-    assert gm._gemv7_config(1, 8192, 28672) is None
-    monkeypatch.setattr(gm, "GEMV7", "1")
-    assert gm._gemv7_config(1, 6144, 4096) is not None
+        assert gv._gemv7_config(1, n, k) is None
+    monkeypatch.setattr(gv, "GEMV7", "0")
+    assert gv._gemv7_config(1, 8192, 28672) is None
+    monkeypatch.setattr(gv, "GEMV7", "1")
+    assert gv._gemv7_config(1, 6144, 4096) is not None
 
 
 @interpreted
@@ -706,14 +652,13 @@ def test_gemv6_takes_only_layers_its_32_bit_block_offsets_address(tk):
     of 2^31 blocks or more to gemv4, and an explicit gemv6 launch refuses it, naming the shape."""
     _, gm = tk
     cpu = torch.device("cpu")
-    assert gm._block_offsets_fit(128256, 16384)  # the largest embedding-sized layers: 131M blocks
-    assert gm._auto_path(1, torch.bfloat16, False, 16384, cpu, 1 << 17) == gm.GEMV_PATH
+    assert gv._block_offsets_fit(128256, 16384)  # the largest embedding-sized layers: 131M blocks
+    assert dp.choose(1, torch.bfloat16, False, 16384, cpu, 1 << 17) == "gemv6"
     big = (1 << 31) // (16384 // 16)  # rows whose blocks reach 2^31
-    assert not gm._block_offsets_fit(big, 16384) and gm._block_offsets_fit(big - 1, 16384)
-    if gm.GEMV_PATH == "gemv6":
-        assert gm._auto_path(1, torch.bfloat16, False, 16384, cpu, big) == "gemv4"
+    assert not gv._block_offsets_fit(big, 16384) and gv._block_offsets_fit(big - 1, 16384)
+    assert dp.choose(1, torch.bfloat16, False, 16384, cpu, big) == "gemv4"
     with pytest.raises(ValueError, match=f"{big} x 16384 weight.*32-bit"):
-        gm._gemv6(None, None, None, None, None, None, None, 1, big, 16384, False, None)
+        gv._gemv6(None, None, None, None, None, None, None, 1, big, 16384, False, None)
 
 
 @interpreted
@@ -722,17 +667,17 @@ def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
     resident programs (a partial second wave ran 1.5x slower on the H200)."""
     _, gm = tk
     grids = []
-    kern = gm._gemv_resident_kernel
-    monkeypatch.setattr(gm, "_gemv_resident_kernel", type("K", (), {
+    kern = gv._gemv_resident_kernel
+    monkeypatch.setattr(gv, "_gemv_resident_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (grids.append(grid) or kern[grid])})())
-    monkeypatch.setattr(gm, "_gemv6_config", lambda m, n, k: (1, 1, 8, k, False))
-    monkeypatch.setattr(gm, "_sm_count", lambda device: 2)
-    monkeypatch.setattr(gm, "_resident_programs", lambda *a: 3)
+    monkeypatch.setattr(gv, "_gemv6_config", lambda m, n, k: (1, 1, 8, k, False))
+    monkeypatch.setattr(cm, "_sm_count", lambda device: 2)
+    monkeypatch.setattr(gv, "_resident_programs", lambda *a: 3)
     wq = _weight(40, 64, seed=3)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ wq.dequantize(torch.float32).T
     for whole, programs in ((True, 12), (False, 16)):  # 8 per SM -> two waves of 3 -> 6 per SM
-        monkeypatch.setattr(gm, "GEMV6_WHOLE_WAVES", whole)
+        monkeypatch.setattr(gv, "GEMV6_WHOLE_WAVES", whole)
         assert _rel(gm.linear_w4a16(x, wq, path="gemv6"), ref) < 1e-2
         assert grids[-1] == (programs, 1, 1)
 
@@ -849,7 +794,7 @@ def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
-@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv4", 2), ("gemv5", 1), ("gemv6", 2), ("gemm", 19),
+@pytest.mark.parametrize("path,m", [("gemv4", 2), ("gemv6", 2), ("gemm", 19),
                                     ("cublas", 6)])
 def test_w4a4_matches_reference(tk, four_six, path, m):
     _, gm = tk
@@ -971,7 +916,7 @@ def test_bf16x2_gemvs_match_dequantized_matmul_on_all_codes(tk):
                           torch.tensor(7.5), torch.Size((6, 64)), torch.bfloat16)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ w.dequantize(torch.float32).T
-    for path in ("gemv4", "gemv5", "gemv6"):
+    for path in ("gemv4", "gemv6"):
         out = torch.full((1, 6), float("nan"), dtype=torch.bfloat16)
         err = (gm.linear_w4a16(x, w, path=path, out=out).float() - ref).norm(dim=0) / ref.norm(dim=0)
         assert float(err.max()) < 1e-2, (path, err)
@@ -990,9 +935,9 @@ def test_fp16_gemvs_keep_fp16_precision_from_the_largest_to_subnormal_activation
     near fp16's smallest numbers) within one unit of the output's last place (2^-10 relative) plus half
     the subnormal step (2^-24)."""
     _, gm = tk
-    monkeypatch.setattr(gm, "GEMV7", gemv7)
+    monkeypatch.setattr(gv, "GEMV7", gemv7)
     # gemv7 with the largest layers' fp16 tile (16 rows: a partial second tile here)
-    monkeypatch.setattr(gm, "_gemv7_config", lambda m_, n_, k_: (16, 2, 16, 1, False) if gemv7 == "1" else None)
+    monkeypatch.setattr(gv, "_gemv7_config", lambda m_, n_, k_: (16, 2, 16, 1, False) if gemv7 == "1" else None)
     n, k = 24, 528
     g = torch.Generator().manual_seed(7)
     wq = nvfp4.quantize(torch.randn(n, k, generator=g) * 1e-3)
@@ -1023,7 +968,7 @@ def test_gemv6_three_operation_pair_decode_equals_the_shift_decode(tk):
     import triton.language as tl
 
     global _gm
-    _gm = tk[1]
+    _gm = cm
 
     @triton.jit
     def both(w_ptr, old_ptr, new_ptr, n, BLOCK: tl.constexpr):
@@ -1055,19 +1000,17 @@ def test_gemv6_three_operation_pair_decode_equals_the_shift_decode(tk):
 @interpreted
 def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
     """M <= GEMV_MAX_M: the resident-x GEMV for bf16 and fp16 activations (packed bf16x2 / fp16x2
-    sums); with ``GEMV_PATH`` = "gemv5" (bf16 only) fp16 takes the fp32 GEMV."""
+    sums)."""
     _, gm = tk
     seen = []
-    for name in ("_gemv_resident_kernel", "_gemv_blocks_kernel", "_gemm_kernel"):
-        kern = getattr(gm, name)
-        monkeypatch.setattr(gm, name, type("K", (), {"__getitem__": lambda self, grid, n=name, k=kern: (
+    for module, name in ((gv, "_gemv_resident_kernel"), (gv, "_gemv_blocks_kernel"), (gm, "_gemm_kernel")):
+        kern = getattr(module, name)
+        monkeypatch.setattr(module, name, type("K", (), {"__getitem__": lambda self, grid, n=name, k=kern: (
             seen.append(n) or k[grid])})())
     wq = _weight(24, 64, seed=2)
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
-    monkeypatch.setattr(gm, "GEMV_PATH", "gemv5")
-    gm.linear_w4a16(torch.randn(1, 64).half(), wq)
-    assert seen == ["_gemv_resident_kernel", "_gemv_resident_kernel", "_gemm_kernel", "_gemv_blocks_kernel"]
+    assert seen == ["_gemv_resident_kernel", "_gemv_resident_kernel", "_gemm_kernel"]
 
 
 @interpreted
@@ -1080,7 +1023,7 @@ def test_gemvs_take_packed_codes_at_an_unaligned_address(tk):
     shifted = nvfp4.NVFP4Tensor(buf[3:].view(12, 32), wq.block_scale, wq.global_enc, wq.shape, wq.dtype)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     ref = x.float() @ wq.dequantize(torch.float32).T
-    for path in ("gemv4", "gemv5", "gemv6", "gemm"):
+    for path in ("gemv4", "gemv6", "gemm"):
         assert _rel(gm.linear_w4a16(x, shifted, path=path), ref) < 1e-2, path
 
 
@@ -1093,8 +1036,8 @@ def test_a_failed_automatic_mma_launch_falls_back_to_the_tiled_gemm(tk, monkeypa
     _, gm = tk
     mma = importlib.import_module("fp4ptq.kernels.mma")
     monkeypatch.setattr(mma, "_READY", {})
-    monkeypatch.setattr(gm, "mma_unavailable_reason", lambda *a: mma._READY.get(-1))
-    monkeypatch.setattr(gm, "_auto_path", lambda m, *a, **k: "mma" if mma._READY.get(-1) is None else "gemm")
+    monkeypatch.setattr(dp, "mma_unavailable_reason", lambda *a: mma._READY.get(-1))
+    monkeypatch.setattr(dp, "choose", lambda m, *a, **k: "mma" if mma._READY.get(-1) is None else "gemm")
 
     def broken(*a, **k):
         raise RuntimeError("PassManager::run failed")
@@ -1132,7 +1075,7 @@ def test_a_failed_automatic_sm90_launch_falls_back_to_dequantize_and_cublas(tk, 
     kernel = pytest.importorskip(f"fp4ptq.kernels.{path}")
     monkeypatch.setattr(kernel, "_READY", {})
     monkeypatch.setattr(kernel, "_index", lambda device: -1)
-    monkeypatch.setattr(gm, "_auto_path", lambda m, *a, **k: path if kernel._READY.get(-1) is None else "cublas")
+    monkeypatch.setattr(dp, "choose", lambda m, *a, **k: path if kernel._READY.get(-1) is None else "cublas")
 
     def broken(*a, **k):
         raise RuntimeError("out of resources")
@@ -1160,7 +1103,7 @@ def test_host_integer_helpers_equal_tritons():
     cost microseconds a call from the host) give Triton's answers."""
     import triton
 
-    from fp4ptq.kernels._ints import cdiv, next_pow2
+    from fp4ptq.kernels._common import cdiv, next_pow2
 
     for a in range(0, 700):
         assert next_pow2(a) == triton.next_power_of_2(a)

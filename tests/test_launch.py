@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fp4ptq.kernels import _launch  # noqa: E402
+from fp4ptq.kernels import _common as _launch  # noqa: E402
 
 
 class FakeCompiled:

@@ -24,6 +24,7 @@ from compile_target import compile_for  # noqa: E402
 from ptx_emulator import (_halves, _prmt, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           sample_words_and_scales)
 from fp4ptq.kernels import gemm  # noqa: E402
+from fp4ptq.kernels import _common as cm, dispatch as dp  # noqa: E402
 
 
 def _u32(v: torch.Tensor) -> torch.Tensor:
@@ -162,48 +163,43 @@ def test_uneven_k_ranges_only_where_halving_falls_short():
 
 def test_dispatch_guard_names_the_reason(monkeypatch):
     cpu = torch.device("cpu")
-    assert "CUDA only" in gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cpu)
-    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cpu) == "gemm"
+    assert "CUDA only" in dp.mma_unavailable_reason(16, 4096, torch.bfloat16, cpu)
+    assert dp.choose(16, torch.bfloat16, False, 4096, cpu) == "gemm"
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "INTERPRET", False)
     monkeypatch.setattr(mma, "ready", lambda device: None)  # its self-test passed on that device
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H200
-    assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
-    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
-    assert gemm._auto_path(16, torch.bfloat16, True, 4096, cuda) == "mma"
-    assert gemm._auto_path(1, torch.bfloat16, False, 4096, cuda, 57344) == gemm.GEMV_PATH
-    assert gemm._auto_path(2, torch.bfloat16, False, 8192, cuda, 57344) == "mma"  # beat gemv6 there
+    assert dp.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
+    assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "mma"
+    assert dp.choose(16, torch.bfloat16, True, 4096, cuda) == "mma"
+    assert dp.choose(1, torch.bfloat16, False, 4096, cuda, 57344) == "gemv6"
+    assert dp.choose(2, torch.bfloat16, False, 8192, cuda, 57344) == "mma"  # beat gemv6 there
     # M = 2, bf16 W4A16: mma.py from 4M weights, the narrow single-segment layers (8B o / qkv) included
-    # (session 24); W4A4 keeps gemv6 (its fused quantize) on those
-    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 4096) == "mma"
-    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 6144) == "mma"
-    assert gemm._auto_path(2, torch.bfloat16, True, 4096, cuda, 6144) == gemm.GEMV_PATH
-    assert gemm._auto_path(2, torch.bfloat16, True, 14336, cuda, 4096) == "mma"
-    assert gemm._auto_path(2, torch.bfloat16, False, 3072, cuda, 3072) == "mma"    # Phi-3-mini o: 3 segments
-    assert gemm._auto_path(2, torch.bfloat16, False, 14336, cuda, 4096) == "mma"   # 8B down
-    assert gemm._auto_path(2, torch.bfloat16, False, 4096, cuda, 28672) == "mma"   # 8B gate_up
-    assert gemm._auto_path(2, torch.bfloat16, False, 576, cuda, 3072) == gemm.GEMV_PATH  # 1.8M: the GEMV
-    assert gemm._auto_path(65, torch.bfloat16, False, 4096, cuda) == "cublas"
-    assert "bf16 or fp16" in gemm.mma_unavailable_reason(16, 4096, torch.float32, cuda)
-    assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
+    # (session 24); W4A4 keeps gemv6 on those
+    assert dp.choose(2, torch.bfloat16, False, 4096, cuda, 4096) == "mma"
+    assert dp.choose(2, torch.bfloat16, False, 4096, cuda, 6144) == "mma"
+    assert dp.choose(2, torch.bfloat16, True, 4096, cuda, 6144) == "gemv6"
+    assert dp.choose(2, torch.bfloat16, True, 14336, cuda, 4096) == "mma"
+    assert dp.choose(2, torch.bfloat16, False, 3072, cuda, 3072) == "mma"    # Phi-3-mini o: 3 segments
+    assert dp.choose(2, torch.bfloat16, False, 14336, cuda, 4096) == "mma"   # 8B down
+    assert dp.choose(2, torch.bfloat16, False, 4096, cuda, 28672) == "mma"   # 8B gate_up
+    assert dp.choose(2, torch.bfloat16, False, 576, cuda, 3072) == "gemv6"  # 1.8M: the GEMV
+    assert dp.choose(65, torch.bfloat16, False, 4096, cuda) == "cublas"
+    assert "bf16 or fp16" in dp.mma_unavailable_reason(16, 4096, torch.float32, cuda)
+    assert dp.choose(16, torch.float16, False, 4096, cuda) == "mma"
     # fp16 takes bf16's rules (gemv6 / gemv7 with fp16x2 sums)
-    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == gemm.GEMV_PATH
-    assert gemm._auto_path(1, torch.float16, False, 4096, cuda, 6144) == gemm.GEMV_PATH
-    assert gemm._auto_path(2, torch.float16, False, 4096, cuda, 6144) == gemm.GEMV_PATH  # narrow
-    assert gemm._auto_path(2, torch.float16, False, 8192, cuda, 57344) == "mma"
-    monkeypatch.setattr(gemm, "GEMV_PATH", "gemv5")  # bf16 only: fp16 keeps gemv4, mma.py on large layers
-    assert gemm._auto_path(1, torch.float16, False, 8192, cuda, 57344) == "mma"
-    assert gemm._auto_path(1, torch.float16, False, 4096, cuda, 6144) == "gemv4"  # gemv4 still wins there
-    assert gemm._auto_path(2, torch.float16, False, 4096, cuda, 6144) == "mma"
-    monkeypatch.setattr(gemm, "GEMV_PATH", "gemv6")
-    assert "K % 64" in gemm.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
-    assert gemm._auto_path(16, torch.bfloat16, False, 4112, cuda) == "gemm"
-    monkeypatch.setattr(gemm, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
-    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
-    monkeypatch.setattr(gemm, "MMA_MAX_M", 64)
+    assert dp.choose(1, torch.float16, False, 8192, cuda, 57344) == "gemv6"
+    assert dp.choose(1, torch.float16, False, 4096, cuda, 6144) == "gemv6"
+    assert dp.choose(2, torch.float16, False, 4096, cuda, 6144) == "gemv6"  # narrow
+    assert dp.choose(2, torch.float16, False, 8192, cuda, 57344) == "mma"
+    assert "K % 64" in dp.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
+    assert dp.choose(16, torch.bfloat16, False, 4112, cuda) == "gemm"
+    monkeypatch.setattr(dp, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
+    assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+    monkeypatch.setattr(dp, "MMA_MAX_M", 64)
     monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
-    assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
-    assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "gemm"
+    assert dp.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
+    assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "gemm"
 
 
 def test_bf16_and_fp16_take_the_mma_path_from_sm80(monkeypatch):
@@ -211,13 +207,13 @@ def test_bf16_and_fp16_take_the_mma_path_from_sm80(monkeypatch):
     and fp16 activations both take the kernel (before session 30 bf16 took the tiled GEMM there), and
     its self-test runs every case; below sm_80 the kernel does not run at all."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "INTERPRET", False)
     monkeypatch.setattr(mma, "ready", lambda device: None)
     for cap in ((8, 0), (8, 9)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
-        assert gemm.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
-        assert gemm._auto_path(16, torch.bfloat16, False, 4096, cuda) == "mma"
-        assert gemm._auto_path(16, torch.float16, False, 4096, cuda) == "mma"
+        assert dp.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) is None
+        assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "mma"
+        assert dp.choose(16, torch.float16, False, 4096, cuda) == "mma"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "sm_80" in mma._device_reason(0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

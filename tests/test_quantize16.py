@@ -17,6 +17,7 @@ import torch
 from fp4ptq import nvfp4
 
 pytest.importorskip("triton")
+from fp4ptq.kernels import quantize16 as q16  # noqa: E402
 from fp4ptq.kernels import quantize_kernel as qk  # noqa: E402
 from compile_target import compile_for  # noqa: E402
 from ptx_emulator import _halves, _join, run_ptx  # noqa: E402
@@ -60,7 +61,7 @@ def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
     f16 = dtype == torch.float16
     p = _all_patterns(dtype) & 0x7FFF
     words = _pairs(p)
-    counts = run_ptx(qk._count_asm(f16), words, *[t.expand_as(words) for t in _thresholds(step, dtype)])
+    counts = run_ptx(q16._count_asm(f16), words, *[t.expand_as(words) for t in _thresholds(step, dtype)])
     base = 0x6400 if f16 else 0x4300
     lo, hi = counts & 0xFFFF, counts >> 16
     assert torch.all((lo & ~7) == base) and torch.all((hi & ~7) == base)
@@ -68,7 +69,7 @@ def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
     expect = nvfp4.e2m1_rne(xs.float() / torch.tensor(step, dtype=torch.float32))
     index = (lo & 7)
     assert torch.equal(nvfp4.e2m1_decode(index).float(), expect.float())
-    mags = run_ptx(qk._value_asm(f16), counts)
+    mags = run_ptx(q16._value_asm(f16), counts)
     mlo, mhi = _halves(mags, dtype)
     assert torch.equal(mlo.float(), expect.float())
     assert torch.equal(mhi.float(), nvfp4.e2m1_decode(hi & 7).float())
@@ -89,8 +90,8 @@ def test_integer_count_ptx_equals_the_packed_compare_count(dtype, step):
     else:
         ts = _thresholds(step, dtype)
     ts = [t.expand_as(words) for t in ts]
-    got = run_ptx(qk._count_int_asm(f16), words, *ts)
-    expect = run_ptx(qk._count_asm(f16), words, *ts)
+    got = run_ptx(q16._count_int_asm(f16), words, *ts)
+    expect = run_ptx(q16._count_asm(f16), words, *ts)
     assert torch.equal(got, expect)
     nan = torch.isnan(_halves(words, dtype)[0])
     assert nan.any() and torch.all((got[nan] & 7) == 0)
@@ -102,7 +103,7 @@ def test_max8_ptx_is_the_block_max_pattern(dtype):
     p = _all_patterns(dtype) & 0x7FFF
     words = p[torch.randint(0, p.numel(), (4096, 16), generator=g)]
     packed = words[:, 0::2] | (words[:, 1::2] << 16)
-    got = run_ptx(qk._max8_asm(dtype == torch.float16), *packed.unbind(1))
+    got = run_ptx(q16._max8_asm(dtype == torch.float16), *packed.unbind(1))
     assert torch.equal(got, words.max(1).values)
 
 
@@ -116,7 +117,7 @@ def test_pack_ptx_puts_code_e_at_bits_4e_with_the_sign(dtype):
     x = (sign << 15) | mag
     counts = (base + idx[:, 0::2]) | ((base + idx[:, 1::2]) << 16)
     xw = x[:, 0::2] | (x[:, 1::2] << 16)
-    got = run_ptx(qk._PACK_ASM, *counts.unbind(1), *xw.unbind(1))
+    got = run_ptx(q16._PACK_ASM, *counts.unbind(1), *xw.unbind(1))
     code = idx | (sign << 3)
     expect = sum(code[:, e] << (4 * e) for e in range(8))
     assert torch.equal(got, expect)
@@ -133,7 +134,7 @@ def test_scaled_ptx_is_the_signed_code_times_the_scale_exactly(dtype):
     e4m3 = torch.arange(1, 127, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).double()
     for s in e4m3:
         s2 = _join(s.reshape(1), s.reshape(1), dtype).expand_as(mag)
-        got = run_ptx(qk._scaled_asm(f16), mag, s2, sign_src)
+        got = run_ptx(q16._scaled_asm(f16), mag, s2, sign_src)
         lo, hi = _halves(got, dtype)
         expect = nvfp4.e2m1_decode(codes).double() * s
         assert torch.equal(lo, expect[0::2]) and torch.equal(hi, expect[1::2])
@@ -216,24 +217,24 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
 
 def test_table_rule_follows_the_h200_measurements(monkeypatch):
     """Codes take the per-program table from 32768 tiles (64M elements) on, from 8192 under Four Over
-    Six, the scaled W4A4 operand never; ``FP4PTQ_QUANT16_TABLE`` forces either way."""
-    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
+    Six, the scaled W4A4 operand never; ``FORCE_TABLE`` forces either way."""
+    monkeypatch.setattr(qk, "FORCE_TABLE", None)
     assert not qk._use_table(16384, "packed") and not qk._use_table(32767, "packed")
     assert qk._use_table(32768, "packed") and qk._use_table(1 << 20, "packed")
     assert not qk._use_table(1 << 20, "scaled")
     assert qk._use_table(8192, "packed", "mse") and not qk._use_table(8191, "packed", "mae")
     assert not qk._use_table(1 << 20, "scaled", "mse")
-    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "1")
+    monkeypatch.setattr(qk, "FORCE_TABLE", True)
     assert qk._use_table(1, "scaled")
-    monkeypatch.setenv("FP4PTQ_QUANT16_TABLE", "0")
+    monkeypatch.setattr(qk, "FORCE_TABLE", False)
     assert not qk._use_table(1 << 20, "packed")
 
 
 def test_table_layout_rule(monkeypatch):
     """Word-major for the standard codes, row-major under Four Over Six (the H200's faster of each)."""
-    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     assert qk._word_major(None) and not qk._word_major("mse") and not qk._word_major("max")
-    monkeypatch.setenv("FP4PTQ_QUANT16_WORD_MAJOR", "1")
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", True)
     assert qk._word_major("mse")
 
 
@@ -252,8 +253,8 @@ def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
     monkeypatch.setattr(qk, "_quantize16_kernel", Recorder("16-bit"))
     monkeypatch.setattr(qk, "_quantize_kernel", Recorder("fp32"))
     monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: True)
-    monkeypatch.delenv("FP4PTQ_QUANT16_TABLE", raising=False)
-    monkeypatch.delenv("FP4PTQ_QUANT16_WORD_MAJOR", raising=False)
+    monkeypatch.setattr(qk, "FORCE_TABLE", None)
+    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     amax = torch.tensor(1.0)
     for rows in (1, 2, 3, 16):
         qk.launch_quantize(torch.zeros(rows, 4096, dtype=torch.bfloat16), amax)

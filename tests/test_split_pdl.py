@@ -1,4 +1,4 @@
-"""The summing pass of a K split as a programmatic dependent launch (gemm.split_pdl): when it is
+"""The summing pass of a K split as a programmatic dependent launch (cm.split_pdl): when it is
 used, what the compiled kernels contain (PTX for sm_90, built here without the GPU), and that the
 pass loads every partial before it adds them, in split order."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compile_target import compile_for
-from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import mma
+from fp4ptq.kernels import _common as cm, gemv as gv  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 def _finish_ptx(pdl: bool, segments: int = 4) -> str:
     types = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
     ce = dict(SEGMENTS=segments, HAS_BIAS=False, BLOCK=1024, PDL=pdl)
-    return compile_for(gm._gemv_split_finish, types, ce, num_warps=4).asm["ptx"]
+    return compile_for(cm._gemv_split_finish, types, ce, num_warps=4).asm["ptx"]
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -53,28 +53,28 @@ def test_mma_kernel_signals_its_dependent_when_told(trigger):
 
 
 def _fake_cuda(monkeypatch, capability):
-    monkeypatch.setattr(gm, "INTERPRET", False)
-    monkeypatch.setattr(gm, "_capability", lambda device: capability)
+    monkeypatch.setattr(cm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "_capability", lambda device: capability)
 
 
 @pytest.mark.parametrize("capability,expected", [((9, 0), True), ((10, 0), True), ((8, 9), False)])
 def test_split_pdl_needs_sm90(monkeypatch, capability, expected):
     _fake_cuda(monkeypatch, capability)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert gm.split_pdl(torch.device("cuda", 0)) is expected
-    assert gm.split_pdl(torch.device("cpu")) is False
+    assert cm.split_pdl(torch.device("cuda", 0)) is expected
+    assert cm.split_pdl(torch.device("cpu")) is False
 
 
 def test_split_pdl_knob_and_interpreter(monkeypatch):
     _fake_cuda(monkeypatch, (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     cuda = torch.device("cuda", 0)
-    assert gm.split_pdl(cuda)
-    monkeypatch.setattr(gm, "SPLIT_PDL", False)
-    assert not gm.split_pdl(cuda)
-    monkeypatch.setattr(gm, "SPLIT_PDL", True)
-    monkeypatch.setattr(gm, "INTERPRET", True)  # the interpreter launches plainly
-    assert not gm.split_pdl(cuda)
+    assert cm.split_pdl(cuda)
+    monkeypatch.setattr(cm, "SPLIT_PDL", False)
+    assert not cm.split_pdl(cuda)
+    monkeypatch.setattr(cm, "SPLIT_PDL", True)
+    monkeypatch.setattr(cm, "INTERPRET", True)  # the interpreter launches plainly
+    assert not cm.split_pdl(cuda)
 
 
 @pytest.mark.parametrize("dependent", [False, True])
@@ -82,12 +82,12 @@ def test_summing_pass_is_a_dependent_only_of_a_kernel_that_signals_it(monkeypatc
     """With and without a bias (the latter returns a wrapper around the launch), the pass's build and
     its launch option follow ``dependent``, never ``split_pdl`` alone."""
     built = []
-    real = gm.Launch
-    monkeypatch.setattr(gm, "Launch", lambda *a: built.append(a[4]) or real(*a))
-    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
+    real = cm.Launch
+    monkeypatch.setattr(cm, "Launch", lambda *a: built.append(a[4]) or real(*a))
+    monkeypatch.setattr(cm, "split_pdl", lambda device: True)
     y = torch.empty(3, 40, dtype=torch.bfloat16)
-    gm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16), dependent)
-    gm.split_finish(4, y, None, dependent)
+    cm.split_finish(4, y, torch.zeros(40, dtype=torch.bfloat16), dependent)
+    cm.split_finish(4, y, None, dependent)
     assert [(kw["PDL"], kw["launch_pdl"], kw["SEGMENTS"]) for kw in built] == [(dependent, dependent, 4)] * 2
 
 
@@ -95,10 +95,10 @@ def test_mma_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch
     """mma.launches: TRIGGER in the split kernel and a dependent summing pass go together, as
     ``split_pdl`` says; an unsplit call has neither."""
     seen = []
-    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
-    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, dependent=False:
+    monkeypatch.setattr(cm, "split_pdl", lambda device: True)
+    monkeypatch.setattr(cm, "split_run", lambda launch, splits, y, bias, dependent=False:
                         seen.append((launch.kwargs["TRIGGER"], splits > 1, dependent)))
-    monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cm, "_sm_count", lambda device: 132)
     words, sbits, enc = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 256, dtype=torch.uint8), torch.ones(1)
     for m, k_split in ((16, 1024), (16, 4096)):
         x = torch.zeros(m, 4096, dtype=torch.bfloat16)
@@ -112,25 +112,25 @@ def test_gemv6_signals_its_dependent_when_told(trigger):
     types = {"x_ptr": "*bf16", "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": "*bf16", "y_ptr": "*fp32"}
     ce = dict(HAS_BIAS=False, HAS_XENC=False, ROWS=4, KBP=256, EVEN_K=True, ALIGNED=True, EMULATE=False,
-              QUANT_X=False, FOUR_SIX=0, SPLIT=True, PREFETCH=False, MULDEC=False, KB_C=0, F16=False,
+              SPLIT=True, PREFETCH=False, MULDEC=False, KB_C=0, F16=False,
               TRIGGER=trigger)
-    ptx = compile_for(gm._gemv_resident_kernel, types, ce, num_warps=4).asm["ptx"]
+    ptx = compile_for(gv._gemv_resident_kernel, types, ce, num_warps=4).asm["ptx"]
     assert ("griddepcontrol.launch_dependents" in ptx) == trigger
     if trigger:  # at the start: before the first load
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
 
 
 def test_gemv6_signals_and_pairs_its_summing_pass_only_when_k_is_split(monkeypatch):
-    """gemm._gemv6: TRIGGER in the split kernel and a dependent summing pass go together, as
+    """gv._gemv6: TRIGGER in the split kernel and a dependent summing pass go together, as
     ``split_pdl`` says; a one-segment layer has neither."""
     seen = []
-    monkeypatch.setattr(gm, "split_pdl", lambda device: True)
-    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, dependent=False:
+    monkeypatch.setattr(cm, "split_pdl", lambda device: True)
+    monkeypatch.setattr(cm, "split_run", lambda launch, splits, y, bias, dependent=False:
                         seen.append((launch.kwargs["TRIGGER"], splits > 1, dependent)))
-    monkeypatch.setattr(gm, "_whole_wave_programs", lambda *a, **k: 132 * 4)
+    monkeypatch.setattr(gv, "_whole_wave_programs", lambda *a, **k: 132 * 4)
     for n, k in ((3072, 3072), (4096, 4096)):  # Phi-3-mini o: 3 segments; 8B o: one
         x = torch.zeros(1, k, dtype=torch.bfloat16)
         words, sbits = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 16, dtype=torch.uint8)
-        gm._gemv6(x, words, sbits, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1, n, dtype=torch.bfloat16),
+        gv._gemv6(x, words, sbits, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1, n, dtype=torch.bfloat16),
                   1, n, k, False, None)
     assert seen == [(True, True, True), (False, False, False)]

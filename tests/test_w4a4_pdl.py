@@ -1,6 +1,6 @@
 """W4A4 at small M: mma.py launched as the programmatic dependent of the activations' quantize launch
-(gemm.w4a4_pdl), and the plain launch taking over where a driver refuses dependent launches
-(gemm.dependent_or_plain). What the compiled kernels contain is read from their sm_90 PTX, built
+(cm.w4a4_pdl), and the plain launch taking over where a driver refuses dependent launches
+(cm.dependent_or_plain). What the compiled kernels contain is read from their sm_90 PTX, built
 here without the GPU; the pairing and the fallback are checked through the dispatch with the
 launches recorded."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from compile_target import compile_for
 from fp4ptq import nvfp4
 from fp4ptq.kernels import gemm as gm
 from fp4ptq.kernels import mma, quantize_kernel
+from fp4ptq.kernels import _common as cm, dispatch as dp, gemv as gv  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -78,8 +79,8 @@ def _weight(n=256, k=512, seed=0):
 
 def _record_eager(monkeypatch, path: str, pdl: bool = True):
     seen = {}
-    monkeypatch.setattr(gm, "_auto_path", lambda *a, **k: path)
-    monkeypatch.setattr(gm, "w4a4_pairs", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(dp, "choose", lambda *a, **k: path)
+    monkeypatch.setattr(dp, "w4a4_pairs", lambda m, n, k, device: pdl)
 
     def quantize_scaled(x, amax, four_six=None, out_dtype=None, trigger=False):
         seen["trigger"] = trigger
@@ -121,10 +122,10 @@ def test_w4a4_does_not_pair_a_requested_path_or_a_weight_it_would_copy(monkeypat
 def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
     seen = {}
     m = 1 if path == "gemv6" else 16
-    monkeypatch.setattr(gm, "_auto_path", lambda *a, **k: path)
-    monkeypatch.setattr(gm, "w4a4_pairs", lambda m, n, k, device: pdl)
-    monkeypatch.setattr(gm, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
-    monkeypatch.setattr(gm, "_gemv6", lambda *a, dependent=False, **k: seen.__setitem__("dependent", dependent)
+    monkeypatch.setattr(dp, "choose", lambda *a, **k: path)
+    monkeypatch.setattr(dp, "w4a4_pairs", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(gv, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(gv, "_gemv6", lambda *a, dependent=False, **k: seen.__setitem__("dependent", dependent)
                         or (lambda *t: t[-1]))
     real = quantize_kernel.quantize_launches
     monkeypatch.setattr(quantize_kernel, "quantize_launches",
@@ -153,19 +154,19 @@ def test_w4a4_plans_pair_the_same_launches(monkeypatch, path, pdl):
     (32, 3584, 18944, False),   # Qwen2-7B down at M = 32: 448 programs but of 2 warps, 37 steps (not measured)
 ])
 def test_w4a4_pairs_only_the_grids_where_it_measured_faster(monkeypatch, m, n, k, paired):
-    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: True)
-    monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
-    assert gm.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is paired
-    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
-    assert gm.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is False
+    monkeypatch.setattr(cm, "w4a4_pdl", lambda device: True)
+    monkeypatch.setattr(cm, "_sm_count", lambda device: 132)
+    assert dp.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is paired
+    monkeypatch.setattr(cm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
+    assert dp.w4a4_pairs(m, n, k, torch.device("cuda", 0)) is False
 
 
 def _mma_launch_kwargs(monkeypatch, dependent: bool, stages: int):
     seen = []
-    monkeypatch.setattr(gm, "split_pdl", lambda device: False)
-    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, trigger=False:
+    monkeypatch.setattr(cm, "split_pdl", lambda device: False)
+    monkeypatch.setattr(cm, "split_run", lambda launch, splits, y, bias, trigger=False:
                         seen.append(launch.kwargs) or (lambda *t: t[-1]))
-    monkeypatch.setattr(gm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cm, "_sm_count", lambda device: 132)
     words, sbits, enc = torch.zeros(256, 64, dtype=torch.int32), torch.zeros(256, 32, dtype=torch.uint8), torch.ones(1)
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
     run = mma.launches(x, words, sbits, enc, torch.ones(1), None, torch.empty(16, 256, dtype=torch.bfloat16),
@@ -196,8 +197,8 @@ def test_mma_launches_plainly_where_the_operands_would_need_a_copy(monkeypatch):
 
 @pytest.fixture
 def fresh_pdl_state(monkeypatch):
-    monkeypatch.setattr(gm, "_PDL_FAILED", {})
-    return gm._PDL_FAILED
+    monkeypatch.setattr(cm, "_PDL_FAILED", {})
+    return cm._PDL_FAILED
 
 
 def test_a_refused_dependent_launch_falls_back_and_is_not_tried_again(fresh_pdl_state):
@@ -212,14 +213,14 @@ def test_a_refused_dependent_launch_falls_back_and_is_not_tried_again(fresh_pdl_
         return lambda a: calls.append(("plain", a)) or a * 2
 
     cuda0 = torch.device("cuda", 0)
-    call = gm.dependent_or_plain(dependent, build_plain, cuda0, "the test launch")
+    call = cm.dependent_or_plain(dependent, build_plain, cuda0, "the test launch")
     with pytest.warns(UserWarning, match="programmatic dependent launches are not used on cuda:0 any more"):
         assert call(3) == 6
     assert call(4) == 8  # no second try, no second warning, the plain launch built once
     assert calls == [("dependent", 3), "built", ("plain", 3), ("plain", 4)]
     assert "operation not supported" in fresh_pdl_state[0]
     # every later decision on that GPU launches plainly
-    other = gm.dependent_or_plain(lambda a: calls.append("other dependent"), lambda: (lambda a: a), cuda0, "x")
+    other = cm.dependent_or_plain(lambda a: calls.append("other dependent"), lambda: (lambda a: a), cuda0, "x")
     assert other(5) == 5 and "other dependent" not in calls
 
 
@@ -230,7 +231,7 @@ def test_a_fault_of_the_plain_launch_too_propagates_and_keeps_dependent_launches
     def plain():
         raise RuntimeError("illegal address (plain)")
 
-    call = gm.dependent_or_plain(dependent, lambda: plain, torch.device("cuda", 1), "the test launch")
+    call = cm.dependent_or_plain(dependent, lambda: plain, torch.device("cuda", 1), "the test launch")
     with pytest.raises(RuntimeError, match=r"illegal address \(plain\)"):
         call()
     assert fresh_pdl_state == {}
@@ -245,8 +246,8 @@ def test_a_dependent_launch_refused_inside_a_graph_capture_asks_to_capture_again
         calls.append("dependent")
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    call = gm.dependent_or_plain(dependent, lambda: (lambda: calls.append("plain")), torch.device("cuda", 0), "x")
-    monkeypatch.setattr(gm, "_capturing", lambda: True)
+    call = cm.dependent_or_plain(dependent, lambda: (lambda: calls.append("plain")), torch.device("cuda", 0), "x")
+    monkeypatch.setattr(cm, "_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*capture again"):
         call()
     assert calls == ["dependent"] and 0 in fresh_pdl_state
@@ -255,16 +256,16 @@ def test_a_dependent_launch_refused_inside_a_graph_capture_asks_to_capture_again
 
 
 def test_pdl_is_off_on_a_gpu_where_a_dependent_launch_was_refused(monkeypatch, fresh_pdl_state):
-    monkeypatch.setattr(gm, "INTERPRET", False)
-    monkeypatch.setattr(gm, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(cm, "INTERPRET", False)
+    monkeypatch.setattr(cm, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert gm.split_pdl(cuda0) and gm.w4a4_pdl(cuda0)
+    assert cm.split_pdl(cuda0) and cm.w4a4_pdl(cuda0)
     fresh_pdl_state[0] = "refused"
-    assert not gm.split_pdl(cuda0) and not gm.w4a4_pdl(cuda0)
-    assert gm.split_pdl(cuda1) and gm.w4a4_pdl(cuda1)
-    monkeypatch.setattr(gm, "W4A4_PDL", False)  # FP4PTQ_W4A4_PDL=0
-    assert not gm.w4a4_pdl(cuda1) and gm.split_pdl(cuda1)
+    assert not cm.split_pdl(cuda0) and not cm.w4a4_pdl(cuda0)
+    assert cm.split_pdl(cuda1) and cm.w4a4_pdl(cuda1)
+    monkeypatch.setattr(cm, "W4A4_PDL", False)  # FP4PTQ_W4A4_PDL=0
+    assert not cm.w4a4_pdl(cuda1) and cm.split_pdl(cuda1)
 
 
 def test_split_run_sums_plainly_when_its_dependent_pass_is_refused(monkeypatch, fresh_pdl_state):
@@ -280,14 +281,14 @@ def test_split_run_sums_plainly_when_its_dependent_pass_is_refused(monkeypatch, 
             y.copy_(target.sum(0))
         return finish
 
-    monkeypatch.setattr(gm, "split_finish", finish_of)
+    monkeypatch.setattr(cm, "split_finish", finish_of)
     y = torch.zeros(2, 8, dtype=torch.float32)
 
     def launch(x, target):
         order.append("split kernel")
         target.copy_(x.expand_as(target))
 
-    run = gm.split_run(launch, 3, y, None, dependent=True)
+    run = cm.split_run(launch, 3, y, None, dependent=True)
     with pytest.warns(UserWarning, match="the split-K summing pass"):
         out = run(torch.ones(2, 8), y)
     assert order == ["split kernel", "plain pass"]
@@ -301,10 +302,10 @@ GEMV6_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_gemv6_loads_its_first_tile_before_waiting_and_x_after(prefetch):
     ce = dict(HAS_BIAS=False, HAS_XENC=True, ROWS=4, KBP=256, EVEN_K=True, ALIGNED=True, EMULATE=False,
-              QUANT_X=False, FOUR_SIX=0, SPLIT=False, PREFETCH=prefetch, MULDEC=True, KB_C=256 if prefetch else 0,
+              SPLIT=False, PREFETCH=prefetch, MULDEC=True, KB_C=256 if prefetch else 0,
               F16=False, TRIGGER=False, WAIT=True)
-    ptx = compile_for(gm._gemv_resident_kernel, GEMV6_TYPES, ce, num_warps=2, launch_pdl=True).asm["ptx"]
-    plain = compile_for(gm._gemv_resident_kernel, GEMV6_TYPES, dict(ce, WAIT=False), num_warps=2).asm["ptx"]
+    ptx = compile_for(gv._gemv_resident_kernel, GEMV6_TYPES, ce, num_warps=2, launch_pdl=True).asm["ptx"]
+    plain = compile_for(gv._gemv_resident_kernel, GEMV6_TYPES, dict(ce, WAIT=False), num_warps=2).asm["ptx"]
     assert "griddepcontrol.wait" not in plain
     head, tail = ptx.split("griddepcontrol.wait")
     loads = lambda text: len(re.findall(r"ld\.global", text))  # noqa: E731
@@ -316,39 +317,39 @@ def test_gemv6_loads_its_first_tile_before_waiting_and_x_after(prefetch):
 
 
 def test_gemv6_pairing_takes_the_small_gemv6_layers_and_follows_its_knob(monkeypatch):
-    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: True)
-    monkeypatch.setattr(gm, "W4A4_PDL_GEMV", True)
+    monkeypatch.setattr(cm, "w4a4_pdl", lambda device: True)
+    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", True)
     cuda = torch.device("cuda", 0)
-    assert gm.w4a4_pairs_gemv(1, 6144, 4096, cuda)  # 8B qkv: gemv6 (measured 4% faster paired)
-    assert gm.w4a4_pairs_gemv(2, 4096, 4096, cuda)  # 8B o at M = 2
-    assert not gm.w4a4_pairs_gemv(1, 28672, 4096, cuda)  # 8B gate_up: 64M weights and more (level)
-    assert not gm.w4a4_pairs_gemv(1, 57344, 8192, cuda)  # 70B gate_up (1% slower paired)
-    assert not gm.w4a4_pairs_gemv(1, 4096, 14336, cuda)  # 8B down streams x through gemv7: not paired
-    monkeypatch.setattr(gm, "W4A4_PDL_GEMV", False)  # FP4PTQ_W4A4_PDL_GEMV=0
-    assert not gm.w4a4_pairs_gemv(1, 6144, 4096, cuda)
-    monkeypatch.setattr(gm, "W4A4_PDL_GEMV", True)
-    monkeypatch.setattr(gm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
-    assert not gm.w4a4_pairs_gemv(1, 6144, 4096, cuda)
+    assert gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)  # 8B qkv: gemv6 (measured 4% faster paired)
+    assert gv.w4a4_pairs_gemv(2, 4096, 4096, cuda)  # 8B o at M = 2
+    assert not gv.w4a4_pairs_gemv(1, 28672, 4096, cuda)  # 8B gate_up: 64M weights and more (level)
+    assert not gv.w4a4_pairs_gemv(1, 57344, 8192, cuda)  # 70B gate_up (1% slower paired)
+    assert not gv.w4a4_pairs_gemv(1, 4096, 14336, cuda)  # 8B down streams x through gemv7: not paired
+    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", False)  # FP4PTQ_W4A4_PDL_GEMV=0
+    assert not gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)
+    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", True)
+    monkeypatch.setattr(cm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
+    assert not gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)
 
 
 @pytest.mark.parametrize("path,pdl,paired", [("gemv6", True, True), ("gemv6", False, False)])
 def test_w4a4_pairs_its_quantize_launch_with_gemv6_when_told(monkeypatch, path, pdl, paired):
     seen = _record_eager(monkeypatch, path, False)
-    monkeypatch.setattr(gm, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
+    monkeypatch.setattr(gv, "w4a4_pairs_gemv", lambda m, n, k, device: pdl)
     gm.linear_w4a4(torch.randn(1, 512, dtype=torch.bfloat16), _weight(), torch.tensor(3.0))
     assert seen == {"trigger": paired, "dependent": paired, "path": path}
 
 
 def test_gemv6_dependent_build_and_its_plain_twin(monkeypatch, fresh_pdl_state):
     built = []
-    monkeypatch.setattr(gm, "split_run", lambda launch, splits, y, bias, trigger=False:
+    monkeypatch.setattr(cm, "split_run", lambda launch, splits, y, bias, trigger=False:
                         built.append(launch.kwargs) or (lambda *t: t[-1]))
-    monkeypatch.setattr(gm, "_whole_wave_programs", lambda *a, **k: 132 * 4)
+    monkeypatch.setattr(gv, "_whole_wave_programs", lambda *a, **k: 132 * 4)
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
     words, sbits = torch.zeros(6144, 512, dtype=torch.int32), torch.zeros(6144, 256, dtype=torch.uint8)
     args = (x, words, sbits, torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(1, 6144, dtype=torch.bfloat16),
             1, 6144, 4096, False, torch.ones(1))
-    gm._gemv6(*args)
-    gm._gemv6(*args, dependent=True)
+    gv._gemv6(*args)
+    gv._gemv6(*args, dependent=True)
     assert "WAIT" not in built[0] and "launch_pdl" not in built[0]
     assert built[1]["WAIT"] is True and built[1]["launch_pdl"] is True

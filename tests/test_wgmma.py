@@ -25,6 +25,7 @@ wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
 from compile_target import compile_for  # noqa: E402
 from ptx_emulator import assert_same_registers, bf16_scale_pair, multiply_decode_words, sample_words_and_scales  # noqa: E402
 from fp4ptq.kernels import mma  # noqa: E402
+from fp4ptq.kernels import dispatch as dp  # noqa: E402
 
 
 def _u32(v: torch.Tensor) -> torch.Tensor:
@@ -253,34 +254,34 @@ def test_product_check_compares_with_the_reference_decode():
 def test_dispatch_takes_wgmma_for_65_to_128_rows_where_wsgemm_does_not(monkeypatch, sm90_dispatch):
     """wgmma.py takes M = 65..128 where wsgemm.py's rule does not (K below its 4096 here; on the
     measured Llama layers wsgemm's 128-row tile is ahead, results/wsgemm_small_m_h200.json)."""
-    from fp4ptq.kernels import gemm, wsgemm
+    from fp4ptq.kernels import wsgemm
 
     cpu = torch.device("cpu")
-    assert "CUDA only" in gemm.wgmma_unavailable_reason(128, 4096, 4096, torch.bfloat16, cpu)
+    assert "CUDA only" in dp.wgmma_unavailable_reason(128, 4096, 4096, torch.bfloat16, cpu)
     cuda = sm90_dispatch
     for m in (65, 100, 128):
-        assert gemm._auto_path(m, torch.bfloat16, False, 2048, cuda, 4096) == "wgmma"
-        assert gemm._auto_path(m, torch.float16, False, 2048, cuda, 4096) == "wgmma"
-        assert gemm._auto_path(m, torch.bfloat16, True, 2048, cuda, 4096) == "wgmma"  # W4A4 too
-        assert gemm._auto_path(m, torch.bfloat16, False, 4096, cuda, 4096) == "wsgemm"
-    assert gemm._auto_path(64, torch.bfloat16, False, 2048, cuda, 4096) == "mma"
+        assert dp.choose(m, torch.bfloat16, False, 2048, cuda, 4096) == "wgmma"
+        assert dp.choose(m, torch.float16, False, 2048, cuda, 4096) == "wgmma"
+        assert dp.choose(m, torch.bfloat16, True, 2048, cuda, 4096) == "wgmma"  # W4A4 too
+        assert dp.choose(m, torch.bfloat16, False, 4096, cuda, 4096) == "wsgemm"
+    assert dp.choose(64, torch.bfloat16, False, 2048, cuda, 4096) == "mma"
     # from M = 129 the warp-specialized GEMM (its split tail: 8B o at M = 129, 22.4 us against dequantize +
     # cuBLAS's 24.0, results/wsgemm_h200_split.json), or dequantize + cuBLAS where neither rule holds
-    assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 4096) == "wsgemm"
-    assert gemm._auto_path(129, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
-    assert gemm._auto_path(128, torch.bfloat16, False, 4112, cuda, 4096) == "cublas"  # K % 64 (wsgemm), % 128
-    assert gemm._auto_path(128, torch.bfloat16, False, 4160, cuda, 4096) == "wsgemm"  # K % 128 != 0, % 64 == 0
-    assert "bf16 or fp16" in gemm.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
-    monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0: wgmma.py takes wsgemm's rows back
-    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
-    monkeypatch.setattr(gemm, "WSGEMM", True)
+    assert dp.choose(129, torch.bfloat16, False, 4096, cuda, 4096) == "wsgemm"
+    assert dp.choose(129, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
+    assert dp.choose(128, torch.bfloat16, False, 4112, cuda, 4096) == "cublas"  # K % 64 (wsgemm), % 128
+    assert dp.choose(128, torch.bfloat16, False, 4160, cuda, 4096) == "wsgemm"  # K % 128 != 0, % 64 == 0
+    assert "bf16 or fp16" in dp.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
+    monkeypatch.setattr(dp, "WSGEMM", False)  # FP4PTQ_WSGEMM=0: wgmma.py takes wsgemm's rows back
+    assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
+    monkeypatch.setattr(dp, "WSGEMM", True)
     monkeypatch.setattr(wsgemm, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
-    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
-    monkeypatch.setattr(gemm, "WGMMA", False)  # FP4PTQ_WGMMA=0
-    assert gemm._auto_path(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
-    monkeypatch.setattr(gemm, "WGMMA", True)
+    assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
+    monkeypatch.setattr(dp, "WGMMA", False)  # FP4PTQ_WGMMA=0
+    assert dp.choose(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
+    monkeypatch.setattr(dp, "WGMMA", True)
     monkeypatch.setattr(wgmma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
-    assert gemm._auto_path(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
+    assert dp.choose(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
 
 
 def test_explicit_wgmma_path_off_cuda_raises_with_the_reason():

@@ -24,6 +24,7 @@ from fp4ptq.kernels import gemm, mma  # noqa: E402
 from compile_target import compile_for  # noqa: E402
 from ptx_emulator import (_halves, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           run_ptx_regs, sample_words_and_scales)
+from fp4ptq.kernels import dispatch as dp  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -411,41 +412,41 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
     cuda = sm90_dispatch
     for dt in (torch.bfloat16, torch.float16):
         for w4a4 in (False, True):
-            assert gemm._auto_path(1024, dt, w4a4, 4096, cuda, 28672) == "wsgemm"
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 6144) == "wsgemm"  # its split tail
-    assert gemm._auto_path(768, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"  # a partial wave
-    assert gemm._auto_path(2048, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
-    assert gemm._auto_path(2048, torch.bfloat16, True, 4096, cuda, 28672) == "wsgemm"  # W4A4
-    assert gemm._auto_path(8192, torch.bfloat16, True, 28672, cuda, 8192) == "cublas"
+            assert dp.choose(1024, dt, w4a4, 4096, cuda, 28672) == "wsgemm"
+    assert dp.choose(1024, torch.bfloat16, False, 4096, cuda, 6144) == "wsgemm"  # its split tail
+    assert dp.choose(768, torch.bfloat16, False, 4096, cuda, 4096) == "cublas"  # a partial wave
+    assert dp.choose(2048, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    assert dp.choose(2048, torch.bfloat16, True, 4096, cuda, 28672) == "wsgemm"  # W4A4
+    assert dp.choose(8192, torch.bfloat16, True, 28672, cuda, 8192) == "cublas"
     # M = 33..128: the small tiles ahead of mma.py / wgmma.py; M <= 32 and short K stay on those
     for dt in (torch.bfloat16, torch.float16):
-        assert gemm._auto_path(128, dt, False, 4096, cuda, 28672) == "wsgemm"
-        assert gemm._auto_path(64, dt, True, 8192, cuda, 57344) == "wsgemm"
-        assert gemm._auto_path(33, dt, False, 14336, cuda, 4096) == "wsgemm"
-        assert gemm._auto_path(32, dt, False, 4096, cuda, 28672) == "mma"
-        assert gemm._auto_path(100, dt, False, 2048, cuda, 28672) == "wgmma"  # K below the rule's 4096
-        assert gemm._auto_path(48, dt, False, 2048, cuda, 28672) == "mma"
-        assert gemm._auto_path(64, dt, False, 4096, cuda, 1024) == "mma"  # N below MIN_N_SMALL_M
-        assert gemm._auto_path(128, dt, False, 4096, cuda, 1024) == "wgmma"
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4112, cuda, 28672) == "cublas"  # K % 64
-    monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
-    assert gemm._auto_path(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
-    assert gemm._auto_path(64, torch.bfloat16, False, 4096, cuda, 28672) == "mma"
-    assert gemm._auto_path(129, torch.bfloat16, False, 4096, cuda, 28672) == "wsgemm"
-    monkeypatch.setattr(gemm, "WSGEMM_MIN_M", 0)
-    monkeypatch.setattr(gemm, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
-    monkeypatch.setattr(gemm, "WSGEMM", True)
+        assert dp.choose(128, dt, False, 4096, cuda, 28672) == "wsgemm"
+        assert dp.choose(64, dt, True, 8192, cuda, 57344) == "wsgemm"
+        assert dp.choose(33, dt, False, 14336, cuda, 4096) == "wsgemm"
+        assert dp.choose(32, dt, False, 4096, cuda, 28672) == "mma"
+        assert dp.choose(100, dt, False, 2048, cuda, 28672) == "wgmma"  # K below the rule's 4096
+        assert dp.choose(48, dt, False, 2048, cuda, 28672) == "mma"
+        assert dp.choose(64, dt, False, 4096, cuda, 1024) == "mma"  # N below MIN_N_SMALL_M
+        assert dp.choose(128, dt, False, 4096, cuda, 1024) == "wgmma"
+    assert dp.choose(1024, torch.bfloat16, False, 4112, cuda, 28672) == "cublas"  # K % 64
+    monkeypatch.setattr(dp, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
+    assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
+    assert dp.choose(64, torch.bfloat16, False, 4096, cuda, 28672) == "mma"
+    assert dp.choose(129, torch.bfloat16, False, 4096, cuda, 28672) == "wsgemm"
+    monkeypatch.setattr(dp, "WSGEMM_MIN_M", 0)
+    monkeypatch.setattr(dp, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
+    assert dp.choose(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    monkeypatch.setattr(dp, "WSGEMM", True)
     monkeypatch.setattr(ws, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
-    assert gemm._auto_path(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
+    assert dp.choose(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
 
 
 def test_explicit_wsgemm_path_off_cuda_or_on_odd_k_raises_with_the_reason():
     w = nvfp4.quantize(torch.randn(64, 256))
     with pytest.raises(ValueError, match="CUDA only"):
         gemm.linear_w4a16(torch.randn(600, 256).bfloat16(), w, path="wsgemm")
-    assert "K % 64" in gemm.wsgemm_unavailable_reason(600, 64, 4112, torch.bfloat16, torch.device("cuda", 0))
-    assert "bf16 or fp16" in gemm.wsgemm_unavailable_reason(600, 64, 4096, torch.float32, torch.device("cuda", 0))
+    assert "K % 64" in dp.wsgemm_unavailable_reason(600, 64, 4112, torch.bfloat16, torch.device("cuda", 0))
+    assert "bf16 or fp16" in dp.wsgemm_unavailable_reason(600, 64, 4096, torch.float32, torch.device("cuda", 0))
     with pytest.raises(ValueError, match="K % 64"):
         ws.matmul(torch.randn(600, 200).bfloat16(), torch.zeros(64, 25, dtype=torch.int32),
                   torch.zeros(64, 12, dtype=torch.uint8), torch.ones(1), None, None, torch.empty(600, 64))

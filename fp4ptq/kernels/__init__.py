@@ -8,28 +8,14 @@ reference otherwise. Asking for a backend that cannot run raises
 before the kernel modules are imported) ``backend="triton"`` runs the same
 kernels on CPU tensors: that is how the tests check them without a GPU.
 
-Kernels: ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``:
-bf16/fp16 inputs of 3 rows and more two elements a register with packed
-compares against thresholds computed per block or, on large inputs, gathered
-from a per-program table; fp32 inputs and 1-2 rows with fp32 compares), ``gemm.py`` (the W4A16/W4A4
-launcher and its paths: GEMVs for M <= 2 (packed bf16x2 / fp16x2 sums with the
-activation row held in registers or streamed), a tiled GEMM, dequantize +
-cuBLAS for M >= 129 where wsgemm.py does not run; W4A4 runs the same paths after quantizing the
-activations), ``mma.py`` (Gluon: the weight decoded in registers straight into
-``mma.sync``; on CUDA it takes 3 <= M <= 64 (33..64 where wsgemm.py does not) with bf16/fp16 activations, M = 2
-on layers of 4M weights and more, once its self-test passed on the device; the tiled GEMM
-covers what it cannot take), ``wgmma.py`` (Gluon: the same decode into
-Hopper's ``wgmma`` register operand; on sm_90 it takes 65 <= M <= 128 where
-wsgemm.py does not, once its self-test passed), ``wsgemm.py`` (Gluon, warp-specialized:
-a warpgroup decodes TMA-copied weight tiles into shared memory for one or two warpgroups
-issuing ``wgmma``; on sm_90 it takes 33 <= M <= 1024 where its tiles fill the SMs (64-,
-128- and 256-row tiles by M), once its self-test passed; mma.py, wgmma.py or dequantize +
-cuBLAS otherwise) and ``dot_scaled.py``
-(NVFP4 x NVFP4 on the FP4 tensor cores of sm_100 and later through
-``tl.dot_scaled``, used for W4A4 there after a self-test on the device).
+Modules: ``dispatch.py`` (which path takes a call: the rules as one table), ``gemm.py`` (the launcher of
+every path, the tiled GEMM and dequantize + cuBLAS), ``gemv.py`` (M = 1-2), ``mma.py`` / ``wgmma.py`` /
+``wsgemm.py`` (Gluon tensor-core kernels, the last two sm_90 only), ``dot_scaled.py`` (W4A4 on the FP4
+tensor cores of sm_100+), ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``), and
+``_common.py``, which they all share and which imports none of them.
 
 ``linear_plan`` gives the same launches decided once for a repeated input shape (``gemm.linear_plan``;
-``NVFP4Linear`` keeps them per shape for eager calls): every launch site builds ``_launch.Launch``
+``NVFP4Linear`` keeps them per shape for eager calls): every launch site builds ``_common.Launch``
 objects, which replay the compiled kernels past Triton's argument binding (Triton 3.6).
 """
 from __future__ import annotations
@@ -55,7 +41,7 @@ def _interpreting() -> bool:
     import os
     import sys
 
-    built = sys.modules.get(__name__ + ".gemm")
+    built = sys.modules.get(__name__ + "._common")
     if built is not None:
         return built.INTERPRET
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -210,15 +196,15 @@ def linear_plan(
 
 def auto_path(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, w4a4: bool = False) -> str:
     """The path the automatic dispatch takes for ``rows`` activation rows of ``dtype`` times an ``n x k``
-    NVFP4 weight on ``device``: "gemv6", "gemv4", "mma", "wgmma", "wsgemm", "gemm" (the tiled Triton
-    GEMM), "cublas" (dequantize, then cuBLAS), or "reference" off CUDA / under the interpreter. Its
+    NVFP4 weight on ``device``: a path of ``dispatch.RULES`` ("gemv6", "gemv4", "mma", "wgmma", "wsgemm",
+    "dot_scaled", "gemm", "cublas"), or "reference" off CUDA / under the interpreter. Its
     first answer for a Gluon path may run that kernel's self-test on the device."""
     device = torch.device(device)
     if device.type != "cuda" or _interpreting():
         return "reference"
-    from . import gemm
+    from . import dispatch
 
-    return gemm._auto_path(rows, dtype, w4a4, k, device, n)
+    return dispatch.choose(rows, dtype, w4a4, k, device, n)
 
 
 def linear_w4a4(

@@ -26,7 +26,7 @@ No GPU here has FP4 tensor cores, so this path is guarded twice:
 Triton 3.6 (the H200's) compiles the W4A4 kernel for sm_100 but not the bf16 x
 E2M1 one, nor either for sm_90; Triton 3.9 compiles all four (sm_90 by
 decomposing to bf16 wgmma). The dispatch uses this path for W4A4 with more
-than ``gemm.GEMV_MAX_M`` rows; W4A16 takes it only when asked
+than ``dispatch.GEMV_MAX_M`` rows; W4A16 takes it only when asked
 (``path="dot_scaled"``): on B200 it would be a bf16 MMA after an in-register
 upcast, not measured against dequantize + cuBLAS.
 """
@@ -42,12 +42,11 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from .gemm import _output_scale
-from ._ints import cdiv
+from ._common import _output_scale, cdiv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # "auto": on compute capability >= 10 after the self-test; "0": never
-MODE = os.environ.get("FP4PTQ_DOT_SCALED", "auto")
+MODE = "auto"  # "0" keeps the path off
 FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -194,7 +193,7 @@ def ready(device: torch.device, fmt: str) -> Optional[str]:
     """None when the FP4 tensor-core path can run ``fmt`` activations on
     ``device`` (compiled and self-tested once); otherwise why not."""
     if MODE == "0":
-        return "turned off (FP4PTQ_DOT_SCALED=0)"
+        return "turned off (dot_scaled.MODE = \"0\")"
     if device.type != "cuda":
         return f"the input is on {device}"
     key = (device.index if device.index is not None else torch.cuda.current_device(), fmt)

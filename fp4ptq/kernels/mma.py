@@ -16,7 +16,7 @@ cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
   ``v * 2^-126`` times ``scale * 2^100`` (``fma.rn.bf16x2`` with a -0 addend: the product, in
   PTX that sm_80 has; ptxas gives sm_90 the same HMUL2 as ``mul.rn.bf16x2``), or fp16
   ``v * 2^-14`` times ``scale`` (``mul.rn.f16x2``); both products are exact
-  (see gemm.py for the placements). So the tensor core sees K in the order
+  (see _common.py for the placements). So the tensor core sees K in the order
   0, 4, 1, 5, 2, 6, 3, 7 within every 8: the activation (B operand, 16 bytes
   per 8 K) is put in the same order with four ``prmt`` per 8 values. A dot
   product does not depend on the order of its terms, only on both operands
@@ -32,9 +32,9 @@ cuBLAS at M = 16. Gluon lets the kernel place every value where ``mma.sync``
 
 Products ``x * (v * scale)`` are exact in fp32 and summed in fp32, so the
 result matches the tiled GEMM up to summation order. K is split over
-programs (fp32 workspace + gemm.py's ordered summing pass) when N alone
+programs (fp32 workspace + _common.py's ordered summing pass) when N alone
 does not fill the GPU; on sm_90 the kernel signals that pass as it starts
-and the pass launches as its programmatic dependent (``gemm.split_pdl``).
+and the pass launches as its programmatic dependent (``_common.split_pdl``).
 The dispatch uses the kernel on a device only after ``ready`` (a self-test
 there) passed.
 
@@ -45,7 +45,6 @@ benchmarks/gpu_module_check_h200.py; results in benchmarks/results/).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional
 
@@ -54,8 +53,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._ints import cdiv, next_pow2
-from ._launch import Launch
+from ._common import Launch, cdiv, next_pow2
 
 # A word of 8 codes -> four 16-bit-float pairs, register p = codes (p, p + 4). Code i sits at bits
 # 4i..4i+3 (sign = bit 3). bf16: its magnitude goes to bits 6..8 of its half (shift 6 - 4i), the half
@@ -114,7 +112,7 @@ def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul=FMA_BF16) -> str:
 
 
 def decode_mul_line(dst: str, word: str, scale: str, q: int, mul: str = "mul.rn.bf16x2") -> str:
-    """PTX of one decoded bf16 register in three integer operations instead of five (gemm.py's
+    """PTX of one decoded bf16 register in three integer operations instead of five (_common.py's
     ``_pair_mul``): codes ``q`` and ``q + 4`` of ``word`` (q = 0, 1) isolated, one multiply by
     ``2^(6 - 4q) + 2^(12 - 4q)`` makes two copies of each nibble (the four fields never overlap, so
     no carries), one mask keeps the magnitude of the first copy (bits 6..8) and the sign of the
@@ -142,8 +140,8 @@ def _decode_mul_asm(mul: str = FMA_BF16) -> str:
 
 # The bf16 decode by multiply (``decode_mul_line``), bit-equal to the shifts; H200 (results/muldec_tc_h200.json,
 # 3 interleaved rounds): M = 16 on the six Llama-3.1 layers 0.5-2% faster (70B down 65.4 -> 64.1 us), M = 4 / 32
-# -6% to +2.4%. FP4PTQ_MMA_MULDEC=0: the shift decode.
-MULDEC = os.environ.get("FP4PTQ_MMA_MULDEC", "1") != "0"
+# -6% to +2.4%. MULDEC = False: the shift decode.
+MULDEC = True
 
 _DECODE = gl.constexpr(_decode_asm())
 _DECODE_MUL = gl.constexpr(_decode_mul_asm())
@@ -216,13 +214,13 @@ else:  # pragma: no cover - the H200's Triton 3.6
 @gluon.jit
 def _launch_dependents():
     """griddepcontrol.launch_dependents: the kernel launched after this one as a programmatic
-    dependent (gemm.split_pdl: the summing pass) may start once every program got here."""
+    dependent (_common.split_pdl: the summing pass) may start once every program got here."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], gl.int32, False, 1)
 
 
 @gluon.jit
 def _grid_wait():
-    """griddepcontrol.wait: as a programmatic dependent (gemm.w4a4_pdl: of the activations' quantize
+    """griddepcontrol.wait: as a programmatic dependent (_common.w4a4_pdl: of the activations' quantize
     launch), wait until that launch has ended and its writes are visible."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], gl.int32, False, 1)
 
@@ -279,7 +277,7 @@ def store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, M, N, 
     """The epilogue of this module's and wgmma.py's kernels: the fp32 accumulator ``[BN, BM]`` (weight
     rows ``no``, activation rows ``mo``) times ``2^26 / global_enc`` (``2^14`` for fp16 activations;
     W4A4: also divided by the activations' global scale), one correctly rounded factor; then fp32
-    partials ``[splits, M, N]`` for gemm._gemv_split_finish to sum in order, or + bias into y."""
+    partials ``[splits, M, N]`` for _common._gemv_split_finish to sum in order, or + bias into y."""
     enc = gl.load(wenc_ptr)
     if HAS_XENC:
         enc = enc * gl.load(xenc_ptr)
@@ -305,9 +303,9 @@ def _mma_kernel(
     WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
     TRIGGER: gl.constexpr = False, WAIT: gl.constexpr = False, MUL: gl.constexpr = False,
 ):
-    if TRIGGER:  # K split (gemm.split_pdl): the summing pass, a programmatic dependent, may launch now
+    if TRIGGER:  # K split (_common.split_pdl): the summing pass, a programmatic dependent, may launch now
         _launch_dependents()
-    # WAIT (gemm.w4a4_pdl): launched as the programmatic dependent of the quantize launch that writes the
+    # WAIT (_common.w4a4_pdl): launched as the programmatic dependent of the quantize launch that writes the
     # activations (and their global scale): the ring's first weight and scale copies are issued before
     # griddepcontrol.wait, everything that reads x, x_enc or writes y after it. (The quantize kernel
     # writes no weights, and it started after every earlier launch had ended.) Built for the ring only.
@@ -474,9 +472,9 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
     activations' global scale too in a W4A4 plan; y last). ``dependent``: the kernel launches as
     the programmatic dependent of the launch just before it, which must be the activations'
-    quantize launch signalling it (``gemm.w4a4_pdl``); it copies its first weight steps before
-    ``griddepcontrol.wait`` (plainly, should the driver refuse that: ``gemm.dependent_or_plain``)."""
-    from .gemm import _sm_count, dependent_or_plain, split_pdl, split_run, split_workspace
+    quantize launch signalling it (``_common.w4a4_pdl``); it copies its first weight steps before
+    ``griddepcontrol.wait`` (plainly, should the driver refuse that: ``_common.dependent_or_plain``)."""
+    from ._common import _sm_count, dependent_or_plain, split_pdl, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]
@@ -535,7 +533,7 @@ def product_check(fn, cases, device: torch.device) -> Optional[str]:
     wgmma.py's signature) on random NVFP4 products ``(m, n, k, dtype)`` and compare with
     the reference decode: None, or the first relative error over 1e-2 (NaN included)."""
     from .. import nvfp4
-    from .gemm import _weight_views
+    from ._common import _weight_views
 
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, k, dtype in cases:

@@ -29,8 +29,8 @@ correctly rounded division (``div_rn``; Triton's ``/`` is approximate).
 
 Two kernels
 -----------
-bf16 / fp16 inputs of 3 rows and more (from sm_80) go to
-``_quantize16_kernel``: two elements a 32-bit register, compared with the seven
+The E2M1 / E4M3 encode helpers both use are in ``_common.py``. bf16 / fp16 inputs of 3 rows and more (from sm_80) go to
+``_quantize16_kernel`` (``quantize16.py``): two elements a 32-bit register, compared with the seven
 thresholds of each block's scale rounded up to the 16-bit format (exact for
 16-bit inputs) and counted two at a time by packed instructions (inline PTX on
 the GPU: packed float compares, or integer ones for bf16 below sm_90; the same
@@ -58,54 +58,13 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from ._ints import cdiv, next_pow2
-from ._launch import Launch, cuda_sm_count
-
-try:  # griddepcontrol (programmatic dependent launch), Triton 3.4 and later
-    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
-except ImportError:  # pragma: no cover - an older Triton: gemm.w4a4_pdl is False there
-    _gdc_launch_dependents = None
+from ._common import (Launch, _combine, _gdc_launch_dependents, cdiv, cuda_sm_count, e2m1_thresholds, e2m1_value,
+                      e4m3_block_scale, global_enc_from_amax, next_pow2)
+from .quantize16 import TABLE_ROWS, TABLE_WORDS, _quantize16_kernel
 
 # Four Over Six rule -> kernel constant (0: standard scale-to-6 only).
 FOUR_SIX_CODES = {None: 0, "mse": 1, "mae": 2, "max": 3}
 EMITS = ("packed", "scaled")
-
-
-@triton.jit
-def _ge_bound(b64, STRICT: tl.constexpr):
-    """Smallest fp32 ``a`` with ``a > b64`` (``STRICT``) or ``a >= b64``, for a
-    per-block fp64 ``b64 >= 0``: then ``|x| > B`` (or ``>= B``) is ``|x| >= a``."""
-    b32 = b64.to(tl.float32)  # nearest
-    back = b32.to(tl.float64)
-    bits = b32.to(tl.int32, bitcast=True)
-    if STRICT:
-        bits = tl.where(back > b64, bits, bits + 1)
-    else:
-        bits = tl.where(back >= b64, bits, bits + 1)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e2m1_thresholds(step):
-    """Per-block fp32 thresholds ``T0..T6`` (``[BM, NB]``) such that the E2M1
-    index of ``fl(|x| / step)`` is the number of ``T_i <= |x|``; +inf for a
-    zero step (the reference stores zeros there)."""
-    s = step.to(tl.float64)
-    # Midpoints between E2M1 neighbours, displaced by half an fp32 ulp of the
-    # midpoint so ties fall to the even neighbour (see module doc):
-    # ">" tests: 0.25 + 2^-26, 1.25 + 2^-24, 2.5 + 2^-23, 5 + 2^-22
-    # ">=" tests: 0.75 - 2^-25, 1.75 - 2^-24, 3.5 - 2^-23
-    t0 = _ge_bound(s * 0.250000014901161193847656250, True)
-    t1 = _ge_bound(s * 0.749999970197677612304687500, False)
-    t2 = _ge_bound(s * 1.250000059604644775390625000, True)
-    t3 = _ge_bound(s * 1.749999940395355224609375000, False)
-    t4 = _ge_bound(s * 2.500000119209289550781250000, True)
-    t5 = _ge_bound(s * 3.499999880790710449218750000, False)
-    t6 = _ge_bound(s * 5.000000238418579101562500000, True)
-    zero = step <= 0.0
-    inf = float("inf")
-    return (tl.where(zero, inf, t0), tl.where(zero, inf, t1), tl.where(zero, inf, t2), tl.where(zero, inf, t3),
-            tl.where(zero, inf, t4), tl.where(zero, inf, t5), tl.where(zero, inf, t6))
 
 
 @triton.jit
@@ -126,46 +85,6 @@ def e2m1_index(ax, t0, t1, t2, t3, t4, t5, t6):
 
 
 @triton.jit
-def e2m1_value(index):
-    """fp32 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} of an E2M1 index (0..7), by
-    bit moves: the index under fp16 bits 9..11 is the fp16 ``v * 2^-14``."""
-    half = (index << 9).to(tl.int16).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * 16384.0
-
-
-@triton.jit
-def e4m3_rne(v):
-    """Round fp32 ``0 <= v <= 448`` to the nearest E4M3 value (ties to even).
-
-    Returns ``(value fp32, bits int32)``. Done in integer/fp32 arithmetic so
-    that it is exact everywhere (the Triton interpreter's fp8 cast is not).
-    Normal range (v >= 2^-6): keep 3 mantissa bits of the fp32 pattern with
-    round-half-even (a carry moves into the exponent, as it should); the E4M3
-    pattern is then the fp32 pattern's top bits rebiased (127 -> 7).
-    Subnormal range: multiples of 2^-9, i.e. ``RNE(v * 512)`` (2^23 trick);
-    that integer is also the E4M3 pattern (8 -> 2^-6, the first normal).
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # & 0xFFF00000
-    normal_value = rounded.to(tl.float32, bitcast=True)
-    normal_bits = (rounded >> 20) - 960  # (exp - 120) << 3 | mantissa
-    sub_int = (v * 512.0 + 8388608.0) - 8388608.0  # RNE(v * 2^9), exact
-    sub_value = sub_int * 0.001953125
-    is_sub = v < 0.015625
-    value = tl.where(is_sub, sub_value, normal_value)
-    pattern = tl.where(is_sub, sub_int.to(tl.int32), normal_bits)
-    return value, pattern
-
-
-@triton.jit
-def e4m3_block_scale(bmax, global_enc, TARGET: tl.constexpr):
-    """``e4m3(min(bmax / TARGET * global_enc, 448))`` (the reference's order of
-    operations): ``(value fp32, E4M3 bit pattern int32)``."""
-    scale = tl.math.div_rn(bmax, TARGET) * global_enc
-    return e4m3_rne(tl.minimum(scale, 448.0))
-
-
-@triton.jit
 def _half_error(ax, index, step, RULE: tl.constexpr):
     """Error of one half-block (``[BM, NB, 8]``) against the reference's
     ``x_hat - x``: x_hat has x's sign, so ``|x_hat - x| = |v * step - |x||``
@@ -177,14 +96,6 @@ def _half_error(ax, index, step, RULE: tl.constexpr):
         return tl.sum(tl.abs(d), axis=2)
     else:
         return tl.max(tl.abs(d), axis=2)
-
-
-@triton.jit
-def _combine(a, b, RULE: tl.constexpr):
-    if RULE == 3:
-        return tl.maximum(a, b)
-    else:
-        return a + b
 
 
 @triton.jit
@@ -223,18 +134,6 @@ def quantize_halves(xa, xb, global_enc, FOUR_SIX: tl.constexpr):
 
 
 @triton.jit
-def global_enc_from_amax(amax, FOUR_SIX: tl.constexpr):
-    """``6 * 448 / amax`` (``6 * 256 / amax`` with Four Over Six), 1 for amax 0,
-    clamped to the fp32 max: ``nvfp4.global_encode_scale`` bit for bit."""
-    numerator = 1536.0 if FOUR_SIX != 0 else 2688.0
-    # torch evaluates ``numerator / amax`` as ``reciprocal(amax) * numerator``
-    # (two roundings), on the CPU and on CUDA alike: do the same.
-    recip = tl.math.div_rn(amax * 0.0 + 1.0, tl.where(amax > 0.0, amax, 1.0))
-    enc = tl.where(amax > 0.0, recip * numerator, 1.0)
-    return tl.minimum(enc, 3.4028234663852886e38)
-
-
-@triton.jit
 def _pack_word(index, x):
     """Codes (index | sign << 3) of 8 elements ``[BM, NB, 8]`` -> one int32
     word ``[BM, NB]``: element j in bits 4j..4j+3 (the packed byte order)."""
@@ -257,7 +156,7 @@ def _quantize_kernel(
     FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
-    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
+    if TRIGGER:  # (_common.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
         _gdc_launch_dependents()
     # One program: BLOCK_M rows x BLOCKS_K blocks of 16 columns. Each block is
     # loaded as two halves of 8 so that one thread holds a whole block: the
@@ -293,603 +192,6 @@ def _quantize_kernel(
         tl.store(scaled_ptr + qofs + 8, signed_scaled(ib, xb, scale).to(scaled_ptr.dtype.element_ty), mask=mask3)
 
 
-# ---------------------------------------------------------------------------
-# The 16-bit kernel: bf16 / fp16 activations two at a time, thresholds per block or from a table
-# ---------------------------------------------------------------------------
-# A block's thresholds depend only on its E4M3 scale code (and on the global scale). On large inputs
-# every program first writes them for all 127 codes into its own small table in global memory (16 int32
-# words a code: 0-6 the thresholds rounded up to the input's 16-bit format -- an exact 16-bit |x| is
-# >= T iff it is >= that -- each in both halves of the word; 7 the scale in both halves; 8 the fp32 step
-# ``scale / global_enc``; stored code-major or word-major, see ``_table_at``), then gathers the words of
-# each block's code instead of computing seven fp64 products per block. Each program reads its table
-# after a barrier (its own writes are then visible to all its threads; one table shared by all programs
-# was measured 2-20x slower, every program writing the same lines), and the grid is persistent (a few
-# programs per SM looping over tiles): 8 KB of scratch a program. Elsewhere each block computes its own
-# (``_row``), and every program takes a single tile.
-TABLE_ROWS = tl.constexpr(128)
-TABLE_WORDS = tl.constexpr(16)
-
-
-@triton.jit
-def _e4m3_value(code):
-    """fp32 value of E4M3 codes 0..126 (int32), exactly, by bit moves."""
-    e = code >> 3
-    m = code & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-
-
-@triton.jit
-def _round_up_16(t, F16: tl.constexpr):
-    """Bit pattern (int32, 0..0x7F80 / 0x7C00) of the smallest bf16 (fp16) that is >= the fp32 ``t >= 0``
-    (+inf when none is finite): an exact 16-bit ``|x|`` is ``>= t`` iff it is ``>=`` that value."""
-    if F16:
-        h = t.to(tl.float16)  # nearest
-        hb = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        up = tl.where(h.to(tl.float32) < t, hb + 1, hb)
-    else:
-        tb = t.to(tl.int32, bitcast=True)
-        up = tl.minimum(tl.where((tb & 0xFFFF) != 0, tb + 0x10000, tb) >> 16, 0x7F80)
-    return up
-
-
-@triton.jit
-def _pair16(t, F16: tl.constexpr):
-    """``_round_up_16(t)`` in both halves of an int32 word."""
-    h = _round_up_16(t, F16)
-    return h | (h << 16)
-
-
-@triton.jit
-def _table_at(table_ptr, code, word, WORD_MAJOR: tl.constexpr):
-    """Address of ``word`` of ``code``'s table row: rows of 16 words, or (``WORD_MAJOR``) word ``w``
-    of every code together, so that a warp gathering one word of its blocks' codes (neighbouring
-    blocks have neighbouring scales) touches one or two 128-byte lines instead of one per row."""
-    if WORD_MAJOR:
-        return table_ptr + word * TABLE_ROWS + code
-    else:
-        return table_ptr + code * TABLE_WORDS + word
-
-
-@triton.jit
-def _write_table(table_ptr, global_enc, F16: tl.constexpr, WORD_MAJOR: tl.constexpr):
-    """Every program's prologue: the table rows of all codes, then a barrier. Each word is computed
-    where it is stored, 32 rows at a time: a warp's store instruction then writes 512 contiguous bytes
-    (16-byte vectors), where a row a thread stored one word of 32 rows 64 bytes apart (H200: 8192 x 4096
-    38.2 -> 29.4 us, mse at 8192 x 28672 393.5 -> 382.6; results/quant16_h200_table_wide2.json). The
-    values are ``e2m1_thresholds``' (its fp64 constants and directed rounding), word by word."""
-    if WORD_MAJOR:  # [words, codes]: codes contiguous
-        col = tl.arange(0, TABLE_WORDS)[:, None]
-    else:
-        col = tl.arange(0, TABLE_WORDS)[None, :]
-    one = tl.where(col >= 0, 1.0, 0.0).to(tl.float64)  # fp64 constants (a bare literal would be fp32)
-    mult = tl.where(col == 0, one * 0.250000014901161193847656250, tl.where(col == 1, one * 0.749999970197677612304687500,
-           tl.where(col == 2, one * 1.250000059604644775390625000, tl.where(col == 3, one * 1.749999940395355224609375000,
-           tl.where(col == 4, one * 2.500000119209289550781250000, tl.where(col == 5, one * 3.499999880790710449218750000,
-                    one * 5.000000238418579101562500000))))))
-    for r0 in tl.static_range(0, TABLE_ROWS, 32):
-        if WORD_MAJOR:
-            code = r0 + tl.arange(0, 32)[None, :]
-        else:
-            code = r0 + tl.arange(0, 32)[:, None]
-        scale = tl.where(code < 127, _e4m3_value(code), 0.0)
-        step = tl.math.div_rn(scale, global_enc)
-        b64 = step.to(tl.float64) * mult
-        b32 = b64.to(tl.float32)  # nearest, then stepped up to the smallest fp32 above (">") / at or above
-        back = b32.to(tl.float64)
-        bits = b32.to(tl.int32, bitcast=True)
-        above = tl.where((col % 2) == 0, back > b64, back >= b64)  # ">" tests at the even words
-        t = tl.where(step <= 0.0, float("inf"), tl.where(above, bits, bits + 1).to(tl.float32, bitcast=True))
-        # words 0-6 the thresholds, 7 the scale (E4M3 values are exact in both formats), 8 the fp32 step
-        row = tl.where(col < 7, _pair16(t, F16), tl.where(col == 7, _pair16(scale, F16),
-                       tl.where(col == 8, step.to(tl.int32, bitcast=True), 0)))
-        tl.store(_table_at(table_ptr, code, col, WORD_MAJOR), row)
-    tl.debug_barrier()
-
-
-# The 16-bit kernel's element work, on int32 words holding two 16-bit floats (element 2p in the low
-# half, 2p + 1 in the high half). Each helper is one inline-PTX block on the GPU (``ASM`` 1; 2: the counts
-# from integer compares, ``_count_int_asm``) and the same arithmetic spelled in Triton elsewhere (``ASM`` 0:
-# the interpreter cannot run PTX); tests check they agree.
-def _count_asm(f16: bool) -> str:
-    """``$0`` = per half ``base + #{i : $1 >= $(2+i)}`` (base 128 in bf16 / 1024 in fp16, whose low
-    bits are then the count): seven packed compares (1.0 where true) summed by packed adds, exact."""
-    ty = "f16x2" if f16 else "bf16x2"
-    base = "0x64006400" if f16 else "0x43004300"
-    lines = ["{", ".reg .b32 s, c;", f"mov.b32 c, {base};"]
-    for i in range(7):
-        lines.append(f"set.ge.{ty}.{ty} s, $1, ${i + 2}; add.rn.{ty} c, c, s;")
-    lines += ["mov.b32 $0, c;", "}"]
-    return "\n".join(lines)
-
-
-def _count_int_asm(f16: bool) -> str:
-    """The same count word as ``_count_asm`` from integer instructions only, for GPUs without packed bf16
-    compares (sm_80-89): non-negative floats order like their bit patterns, so ``a >= t`` is bit 15 of
-    ``(a | 0x8000) - t`` per half (``a`` has bit 15 clear and ``t`` is at most +inf, so no borrow
-    crosses the halves), and ``prmt`` spreads that bit over its half as a mask. Three compares walk
-    the seven sorted thresholds (t3, then t1 or t5, then t0 / t2 / t4 / t6) and ``lop3`` selects and
-    assembles the index; a NaN half counts 0, as the packed float compare (false for NaN) gives."""
-    base = "0x64006400" if f16 else "0x43004300"
-    nan = "0x7C017C01" if f16 else "0x7F817F81"
-    sel = "0xBB99"  # bytes 1, 1, 3, 3 with their sign replicated: bit 15 / 31 -> 0xFFFF in its half
-    return "\n".join([
-        "{", ".reg .b32 s, d, m3, mb, mc, mn, tb, th, tl, c, k, z;",
-        "mov.b32 z, 0; or.b32 s, $1, 0x80008000;",
-        f"sub.u32 d, s, $5; prmt.b32 m3, d, z, {sel};",                 # a >= t3
-        "lop3.b32 tb, m3, $7, $3, 0xCA;",                                # m3 ? t5 : t1
-        f"sub.u32 d, s, tb; prmt.b32 mb, d, z, {sel};",
-        "lop3.b32 th, mb, $8, $6, 0xCA; lop3.b32 tl, mb, $4, $2, 0xCA;",  # mb ? t6 : t4, mb ? t2 : t0
-        "lop3.b32 tb, m3, th, tl, 0xCA;",
-        f"sub.u32 d, s, tb; prmt.b32 mc, d, z, {sel};",
-        f"mov.b32 c, {base}; mov.b32 k, 0x00040004; lop3.b32 c, m3, k, c, 0xEA;",  # (m & k) | c
-        "mov.b32 k, 0x00020002; lop3.b32 c, mb, k, c, 0xEA;",
-        "mov.b32 k, 0x00010001; lop3.b32 c, mc, k, c, 0xEA;",
-        f"mov.b32 k, {nan}; sub.u32 d, s, k; prmt.b32 mn, d, z, {sel};",  # a NaN half: back to the base
-        f"mov.b32 k, {base}; lop3.b32 $0, c, mn, k, 0xB8;",              # (c & ~mn) | (base & mn)
-        "}",
-    ])
-
-
-def _value_asm(f16: bool) -> str:
-    """E2M1 magnitude ``v`` of a count ``c = base + i`` per half: ``max(i / 2, i - 2, 2i - 8)``
-    (0, .5, 1, 1.5, 2, 3, 4, 6), three packed FMAs and two maxes, all exact."""
-    if f16:  # 0.5, -512 | -1026 | 2, -2056
-        ty, half, a0, b0, two, d0 = "f16x2", "0x38003800", "0xE000E000", "0xE402E402", "0x40004000", "0xE804E804"
-    else:  # 0.5, -64 | -130 | 2, -264
-        ty, half, a0, b0, two, d0 = "bf16x2", "0x3F003F00", "0xC280C280", "0xC302C302", "0x40004000", "0xC384C384"
-    one = "0x3C003C00" if f16 else "0x3F803F80"
-    return "\n".join([
-        "{", ".reg .b32 a, b, d, k0, k1;",
-        f"mov.b32 k0, {half}; mov.b32 k1, {a0}; fma.rn.{ty} a, $1, k0, k1;",
-        f"mov.b32 k0, {one}; mov.b32 k1, {b0}; fma.rn.{ty} b, $1, k0, k1;",
-        f"mov.b32 k0, {two}; mov.b32 k1, {d0}; fma.rn.{ty} d, $1, k0, k1;",
-        f"max.{ty} a, a, b; max.{ty} $0, a, d;", "}",
-    ])
-
-
-# The packed word of 8 codes from four counts ($1-$4) and the four input words ($5-$8) they came
-# from: each half's sign goes to bit 3 of its count's low byte (bits 4-7 of that byte are zero), then
-# the low bytes are gathered (prmt) so that code e sits at bits 4e..4e+3.
-_PACK_ASM = "\n".join([
-    "{", ".reg .b32 t0, t1, t2, t3, a, b, z, w;",
-    "shr.u32 t0, $5, 12; and.b32 t0, t0, 0x00080008; or.b32 t0, t0, $1;",
-    "shr.u32 t1, $6, 12; and.b32 t1, t1, 0x00080008; or.b32 t1, t1, $2;",
-    "shr.u32 t2, $7, 12; and.b32 t2, t2, 0x00080008; or.b32 t2, t2, $3;",
-    "shr.u32 t3, $8, 12; and.b32 t3, t3, 0x00080008; or.b32 t3, t3, $4;",
-    "prmt.b32 a, t0, t1, 0x6420; prmt.b32 b, t2, t3, 0x6420;",
-    "prmt.b32 z, a, b, 0x6420; prmt.b32 w, a, b, 0x7531;",
-    "shl.b32 w, w, 4; or.b32 $0, z, w;", "}",
-])
-
-
-def _max8_asm(f16: bool) -> str:
-    """Packed max of eight words of magnitudes, then of its two halves: ``$0`` = the 16-bit pattern of
-    the largest |x| of the block (patterns of non-negative floats order like their values)."""
-    ty = "f16x2" if f16 else "bf16x2"
-    return "\n".join([
-        "{", ".reg .b32 a, b, c, d;",
-        f"max.{ty} a, $1, $2; max.{ty} b, $3, $4; max.{ty} c, $5, $6; max.{ty} d, $7, $8;",
-        f"max.{ty} a, a, b; max.{ty} c, c, d; max.{ty} a, a, c;",
-        "shr.u32 b, a, 16; and.b32 a, a, 0xFFFF; max.u32 $0, a, b;", "}",
-    ])
-
-
-def _scaled_asm(f16: bool) -> str:
-    """``$0`` = ``v * scale`` per half (``$1`` the magnitudes, ``$2`` the scale in both halves; exact),
-    with the sign of the input word ``$3``. bf16 multiplies by an ``fma`` with a -0 addend (exactly the
-    product; ``mul.bf16x2`` is sm_90 PTX, the ``fma`` sm_80, and on sm_90 ptxas emits the same HMUL2)."""
-    if f16:
-        prod = "mul.rn.f16x2 a, $1, $2;"
-    else:
-        prod = "mov.b32 z, 0x80008000; fma.rn.bf16x2 a, $1, $2, z;"
-    return f"{{ .reg .b32 a, z; {prod} and.b32 $0, $3, 0x80008000; or.b32 $0, $0, a; }}"
-
-
-_COUNT_BF16 = tl.constexpr(_count_asm(False))
-_COUNT_F16 = tl.constexpr(_count_asm(True))
-_COUNT_INT_BF16 = tl.constexpr(_count_int_asm(False))
-_COUNT_INT_F16 = tl.constexpr(_count_int_asm(True))
-_VALUE_BF16 = tl.constexpr(_value_asm(False))
-_VALUE_F16 = tl.constexpr(_value_asm(True))
-_MAX8_BF16 = tl.constexpr(_max8_asm(False))
-_MAX8_F16 = tl.constexpr(_max8_asm(True))
-_SCALED_BF16 = tl.constexpr(_scaled_asm(False))
-_SCALED_F16 = tl.constexpr(_scaled_asm(True))
-_PACK = tl.constexpr(_PACK_ASM)
-_C9 = tl.constexpr("=r,r,r,r,r,r,r,r,r")
-
-
-@triton.jit
-def _lanes(w, F16: tl.constexpr):
-    """The two 16-bit floats of int32 words as fp32 (exact): (low half, high half)."""
-    if F16:
-        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _from_lanes(lo, hi, F16: tl.constexpr):
-    """fp32 values exact in the 16-bit format -> int32 words (inverse of ``_lanes``)."""
-    if F16:
-        blo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        bhi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    else:
-        blo = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-        bhi = hi.to(tl.int32, bitcast=True) & -65536
-    return blo | bhi
-
-
-@triton.jit
-def _ge(a, t, F16: tl.constexpr):
-    tv, _ = _lanes(t, F16)
-    return (a >= tv).to(tl.int32)
-
-
-@triton.jit
-def _ptx8(a0, a1, a2, a3, a4, a5, a6, a7, PTX_BF16: tl.constexpr, PTX_F16: tl.constexpr, F16: tl.constexpr):
-    """One int32 from eight, by the PTX block of the format."""
-    if F16:
-        out = tl.inline_asm_elementwise(PTX_F16, _C9, [a0, a1, a2, a3, a4, a5, a6, a7], tl.int32, True, 1)
-    else:
-        out = tl.inline_asm_elementwise(PTX_BF16, _C9, [a0, a1, a2, a3, a4, a5, a6, a7], tl.int32, True, 1)
-    return out
-
-
-@triton.jit
-def _count(ax, t0, t1, t2, t3, t4, t5, t6, F16: tl.constexpr, ASM: tl.constexpr):
-    if ASM == 2:  # integer compares (bf16 below sm_90)
-        c = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _COUNT_INT_BF16, _COUNT_INT_F16, F16)
-    elif ASM:
-        c = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _COUNT_BF16, _COUNT_F16, F16)
-    else:
-        lo, hi = _lanes(ax, F16)
-        base = 0x6400 if F16 else 0x4300
-        clo = base + _ge(lo, t0, F16) + _ge(lo, t1, F16) + _ge(lo, t2, F16) + _ge(lo, t3, F16) \
-            + _ge(lo, t4, F16) + _ge(lo, t5, F16) + _ge(lo, t6, F16)
-        chi = base + _ge(hi, t0, F16) + _ge(hi, t1, F16) + _ge(hi, t2, F16) + _ge(hi, t3, F16) \
-            + _ge(hi, t4, F16) + _ge(hi, t5, F16) + _ge(hi, t6, F16)
-        c = clo | (chi << 16)
-    return c
-
-
-@triton.jit
-def _magnitude(count, F16: tl.constexpr, ASM: tl.constexpr):
-    """E2M1 magnitudes (16-bit floats in both halves) of a count word."""
-    if ASM:
-        if F16:
-            v = tl.inline_asm_elementwise(_VALUE_F16, "=r,r", [count], tl.int32, True, 1)
-        else:
-            v = tl.inline_asm_elementwise(_VALUE_BF16, "=r,r", [count], tl.int32, True, 1)
-    else:
-        v = _from_lanes(e2m1_value(count & 7), e2m1_value((count >> 16) & 7), F16)
-    return v
-
-
-@triton.jit
-def _pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM: tl.constexpr):
-    if ASM:
-        word = tl.inline_asm_elementwise(_PACK, _C9, [c0, c1, c2, c3, w0, w1, w2, w3], tl.int32, True, 1)
-    else:
-        word = _pair_byte(c0, w0) | (_pair_byte(c1, w1) << 8) | (_pair_byte(c2, w2) << 16) | (_pair_byte(c3, w3) << 24)
-    return word
-
-
-@triton.jit
-def _pair_byte(c, w):
-    lo = (c & 7) | ((w >> 12) & 8)
-    hi = ((c >> 16) & 7) | ((w >> 28) & 8)
-    return lo | (hi << 4)
-
-
-@triton.jit
-def _max8(a0, a1, a2, a3, a4, a5, a6, a7, F16: tl.constexpr, ASM: tl.constexpr):
-    if ASM:
-        top = _ptx8(a0, a1, a2, a3, a4, a5, a6, a7, _MAX8_BF16, _MAX8_F16, F16)
-    else:
-        m = tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7)))
-        m2 = tl.maximum(tl.maximum(a0 & 0xFFFF, a1 & 0xFFFF), tl.maximum(a2 & 0xFFFF, a3 & 0xFFFF))
-        m2 = tl.maximum(m2, tl.maximum(tl.maximum(a4 & 0xFFFF, a5 & 0xFFFF), tl.maximum(a6 & 0xFFFF, a7 & 0xFFFF)))
-        top = tl.maximum(m >> 16, m2)
-    return top
-
-
-@triton.jit
-def _scaled(mag, scale2, w, F16: tl.constexpr, ASM: tl.constexpr):
-    if ASM:
-        if F16:
-            s = tl.inline_asm_elementwise(_SCALED_F16, "=r,r,r,r", [mag, scale2, w], tl.int32, True, 1)
-        else:
-            s = tl.inline_asm_elementwise(_SCALED_BF16, "=r,r,r,r", [mag, scale2, w], tl.int32, True, 1)
-    else:
-        mlo, mhi = _lanes(mag, F16)
-        slo, _ = _lanes(scale2, F16)
-        s = _from_lanes(mlo * slo, mhi * slo, F16) | (w & -2147450880)  # 0x80008000
-    return s
-
-
-@triton.jit
-def _split4(t):
-    """[BM, NB, 4] held by one thread -> its four [BM, NB] slices."""
-    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))  # a: 0, 2; b: 1, 3
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _bf16_pair_above(t64):
-    """The smallest bf16 above ``t64`` in both halves of a word, for an fp64 ``t64`` that is no bf16
-    value and either at least 2^-126 (the smallest normal bf16) or +inf: the bf16 truncation of
-    ``t64`` (the top 16 bits of its fp64 pattern, re-biased: ``(hi >> 13) - (896 << 7)``) plus one,
-    +inf from the largest finite bf16 on."""
-    hi = (t64.to(tl.int64, bitcast=True) >> 32).to(tl.int32)
-    h = tl.minimum((hi >> 13) - 114687, 0x7F80)
-    return h * 65537
-
-
-@triton.jit
-def _f16_pair_above(t64):
-    """The smallest fp16 above ``t64`` in both halves of a word, for an fp64 ``t64 > 0`` that is no
-    fp16 value (or +inf): from 2^-14 on the fp16 truncation of ``t64`` (its fp64 pattern's high word,
-    re-biased: ``(hi >> 10) - (1008 << 10)``) plus one, +inf from the largest finite fp16 on; below,
-    the subnormal ``floor(t64 * 2^24) + 1`` (times 2^-24; ``t64 * 2^24`` is exact and no integer)."""
-    hi = (t64.to(tl.int64, bitcast=True) >> 32).to(tl.int32)
-    normal = tl.minimum((hi >> 10) - 1032191, 0x7C00)
-    h = tl.where(t64 < 6.103515625e-05, (t64 * 16777216.0).to(tl.int32) + 1, normal)
-    return h * 65537
-
-
-@triton.jit
-def _pair_above(t64, F16: tl.constexpr):
-    if F16:
-        pair = _f16_pair_above(t64)
-    else:
-        pair = _bf16_pair_above(t64)
-    return pair
-
-
-@triton.jit
-def _row(table_ptr, code, scale, global_enc, F16: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr,
-         WORD_MAJOR: tl.constexpr):
-    """The seven 16-bit thresholds (in both halves of a word) of each block's scale code (E4M3 bits
-    ``code``, value ``scale``): the program's table row (``TABLE``), or the same values computed
-    in registers. ``FAST`` (fp16, or bf16 under a global scale below 2^112, so that every bf16
-    threshold of a non-zero scale is at least 2^-126): the threshold ``t+- * step`` is exact in fp64
-    (25 + 24 significant bits) and never a 16-bit value (its significand is a product of odd numbers of
-    25 and more bits), so the 16-bit value at or above it is read off the fp64 pattern. Otherwise the
-    table's own arithmetic (fp32 thresholds by directed rounding, then rounded up)."""
-    if TABLE:
-        return (tl.load(_table_at(table_ptr, code, 0, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 1, WORD_MAJOR)),
-                tl.load(_table_at(table_ptr, code, 2, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 3, WORD_MAJOR)),
-                tl.load(_table_at(table_ptr, code, 4, WORD_MAJOR)), tl.load(_table_at(table_ptr, code, 5, WORD_MAJOR)),
-                tl.load(_table_at(table_ptr, code, 6, WORD_MAJOR)))
-    elif FAST:
-        step = tl.math.div_rn(scale, global_enc)
-        s = tl.where(step > 0.0, step.to(tl.float64), float("inf"))  # a zero scale: +inf thresholds
-        # the constants of e2m1_thresholds: midpoints displaced by half an fp32 ulp (ties to even)
-        return (_pair_above(s * 0.250000014901161193847656250, F16),
-                _pair_above(s * 0.749999970197677612304687500, F16),
-                _pair_above(s * 1.250000059604644775390625000, F16),
-                _pair_above(s * 1.749999940395355224609375000, F16),
-                _pair_above(s * 2.500000119209289550781250000, F16),
-                _pair_above(s * 3.499999880790710449218750000, F16),
-                _pair_above(s * 5.000000238418579101562500000, F16))
-    else:
-        t0, t1, t2, t3, t4, t5, t6 = e2m1_thresholds(tl.math.div_rn(scale, global_enc))
-        return (_pair16(t0, F16), _pair16(t1, F16), _pair16(t2, F16), _pair16(t3, F16), _pair16(t4, F16),
-                _pair16(t5, F16), _pair16(t6, F16))
-
-
-@triton.jit
-def _row_step(table_ptr, code, scale, global_enc, TABLE: tl.constexpr, WORD_MAJOR: tl.constexpr):
-    """The fp32 step ``scale / global_enc`` of each block (table word 8, or computed)."""
-    if TABLE:
-        step = tl.load(_table_at(table_ptr, code, 8, WORD_MAJOR)).to(tl.float32, bitcast=True)
-    else:
-        step = tl.math.div_rn(scale, global_enc)
-    return step
-
-
-@triton.jit
-def _row_scale(table_ptr, code, scale, F16: tl.constexpr, TABLE: tl.constexpr, WORD_MAJOR: tl.constexpr):
-    """Each block's scale in both 16-bit halves of a word (table word 7, or converted; exact)."""
-    if TABLE:
-        s2 = tl.load(_table_at(table_ptr, code, 7, WORD_MAJOR))
-    else:
-        s2 = _pair16(scale, F16)
-    return s2
-
-
-@triton.jit
-def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global_enc, F16: tl.constexpr,
-                  ASM: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr, WORD_MAJOR: tl.constexpr):
-    """The counts of a block's eight words against its code's thresholds."""
-    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, FAST, WORD_MAJOR)
-    return (_count(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
-            _count(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
-            _count(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
-            _count(a6, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _count(a7, t0, t1, t2, t3, t4, t5, t6, F16, ASM))
-
-
-@triton.jit
-def _pair_error(mag, ax, step, F16: tl.constexpr, RULE: tl.constexpr):
-    """Error of the two elements of each word: ``fl(v * step) - |x|`` per half (the reference's
-    ``x_hat - x`` up to sign), as squared + squared / |.| + |.| / max."""
-    vlo, vhi = _lanes(mag, F16)
-    alo, ahi = _lanes(ax, F16)
-    dlo = vlo * step - alo
-    dhi = vhi * step - ahi
-    if RULE == 1:
-        return dlo * dlo + dhi * dhi
-    elif RULE == 2:
-        return tl.abs(dlo) + tl.abs(dhi)
-    else:
-        return tl.maximum(tl.abs(dlo), tl.abs(dhi))
-
-
-@triton.jit
-def _half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step, F16: tl.constexpr, RULE: tl.constexpr,
-                      ASM: tl.constexpr):
-    e0 = _pair_error(_magnitude(c0, F16, ASM), a0, step, F16, RULE)
-    e1 = _pair_error(_magnitude(c1, F16, ASM), a1, step, F16, RULE)
-    e2 = _pair_error(_magnitude(c2, F16, ASM), a2, step, F16, RULE)
-    e3 = _pair_error(_magnitude(c3, F16, ASM), a3, step, F16, RULE)
-    return _combine(_combine(e0, e1, RULE), _combine(e2, e3, RULE), RULE)
-
-
-@triton.jit
-def _join4(t0, t1, t2, t3):
-    """Four [BM, NB] slices -> [BM, NB, 4] held by one thread (inverse of ``_split4``)."""
-    return tl.reshape(tl.join(tl.join(t0, t2), tl.join(t1, t3)), (t0.shape[0], t0.shape[1], 4))
-
-
-@triton.jit
-def _tile_offsets(tm, tk, M, nblocks, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr):
-    """Rows, blocks and mask of the tile at (tile row ``tm``, tile column ``tk``); a tile past the
-    last one has every row past M, so it is masked off whole."""
-    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    blocks = tk * BLOCKS_K + tl.arange(0, BLOCKS_K)
-    mask = (rows < M)[:, None] & (blocks < nblocks)[None, :]
-    return rows.to(tl.int64), blocks, mask
-
-
-@triton.jit
-def _load_tile(x_ptr, rows64, blocks, mask, stride_xw):
-    offs = rows64[:, None, None] * stride_xw + (blocks * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    wa = tl.load(x_ptr + offs, mask=mask[:, :, None], other=0)
-    wb = tl.load(x_ptr + offs + 4, mask=mask[:, :, None], other=0)
-    return wa, wb
-
-
-@triton.jit
-def _quantize16_tile(
-    wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
-    K, stride_sw,
-    F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr, WORD_MAJOR: tl.constexpr,
-):
-    w0, w1, w2, w3 = _split4(wa)
-    w4, w5, w6, w7 = _split4(wb)
-    a0 = w0 & 0x7FFF7FFF
-    a1 = w1 & 0x7FFF7FFF
-    a2 = w2 & 0x7FFF7FFF
-    a3 = w3 & 0x7FFF7FFF
-    a4 = w4 & 0x7FFF7FFF
-    a5 = w5 & 0x7FFF7FFF
-    a6 = w6 & 0x7FFF7FFF
-    a7 = w7 & 0x7FFF7FFF
-    mbits = _max8(a0, a1, a2, a3, a4, a5, a6, a7, F16, ASM)
-    if F16:
-        bmax = mbits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        bmax = (mbits << 16).to(tl.float32, bitcast=True)
-    scale, code = e4m3_block_scale(bmax, global_enc, 6.0)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
-                                                   global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
-    chose_four = code < 0  # all False, in the per-block layout
-    if FOUR_SIX != 0:
-        # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
-        scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
-                                                       global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
-        step6 = _row_step(table_ptr, code, scale, global_enc, TABLE, WORD_MAJOR)
-        step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE, WORD_MAJOR)
-        err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
-                        _half_block_error(c4, c5, c6, c7, a4, a5, a6, a7, step6, F16, FOUR_SIX, ASM), FOUR_SIX)
-        err4 = _combine(_half_block_error(d0, d1, d2, d3, a0, a1, a2, a3, step4, F16, FOUR_SIX, ASM),
-                        _half_block_error(d4, d5, d6, d7, a4, a5, a6, a7, step4, F16, FOUR_SIX, ASM), FOUR_SIX)
-        chose_four = err4 < err6  # ties keep the 6-scale
-        c0 = tl.where(chose_four, d0, c0)
-        c1 = tl.where(chose_four, d1, c1)
-        c2 = tl.where(chose_four, d2, c2)
-        c3 = tl.where(chose_four, d3, c3)
-        c4 = tl.where(chose_four, d4, c4)
-        c5 = tl.where(chose_four, d5, c5)
-        c6 = tl.where(chose_four, d6, c6)
-        c7 = tl.where(chose_four, d7, c7)
-        code = tl.where(chose_four, code4, code)
-        scale = tl.where(chose_four, scale4, scale)
-
-    nblocks = K // 16
-    sofs = rows64[:, None] * nblocks + blocks[None, :]
-    if EMIT_PACKED:
-        words = tl.join(_pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM), _pack4(c4, c5, c6, c7, w4, w5, w6, w7, ASM))
-        wofs = (rows64[:, None] * (K // 8) + blocks[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
-        tl.store(packed_ptr + wofs, words, mask=mask2[:, :, None])
-        tl.store(scale_ptr + sofs, code.to(tl.uint8), mask=mask2)
-        if FOUR_SIX != 0:
-            tl.store(chose_ptr + sofs, chose_four.to(tl.int8), mask=mask2)
-    if EMIT_SCALED:
-        s2 = _row_scale(table_ptr, code, scale, F16, TABLE, WORD_MAJOR)
-        q = (rows64[:, None] * stride_sw + blocks[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
-        qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
-                    _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
-        qb = _join4(_scaled(_magnitude(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_magnitude(c5, F16, ASM), s2, w5, F16, ASM),
-                    _scaled(_magnitude(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_magnitude(c7, F16, ASM), s2, w7, F16, ASM))
-        tl.store(scaled_ptr + q, qa, mask=mask2[:, :, None])
-        tl.store(scaled_ptr + q + 4, qb, mask=mask2[:, :, None])
-
-
-@triton.jit
-def _quantize16_kernel(
-    x_ptr, amax_ptr, table_ptr, enc_ptr, packed_ptr, scale_ptr, chose_ptr, scaled_ptr,
-    M, K, stride_xw, stride_sw, n_tiles, n_ktiles,
-    F16: tl.constexpr, FOUR_SIX: tl.constexpr, EMIT_PACKED: tl.constexpr, EMIT_SCALED: tl.constexpr,
-    ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_K: tl.constexpr, TABLE: tl.constexpr,
-    WORD_MAJOR: tl.constexpr, TRIGGER: tl.constexpr = False,
-):
-    if TRIGGER:  # (gemm.w4a4_pdl) the GEMM after this launch, its programmatic dependent, may start now
-        _gdc_launch_dependents()
-    # Persistent: program p takes tiles p, p + P, ... of BLOCK_M rows x BLOCKS_K blocks; a thread
-    # holds whole blocks as 8 int32 words (two 16-byte loads), each word two 16-bit floats. The
-    # next tile's words are loaded before this tile's math, so memory and math overlap.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    global_enc = global_enc_from_amax(tl.load(amax_ptr), FOUR_SIX)
-    if pid == 0:
-        tl.store(enc_ptr, global_enc)
-    nblocks = K // 16
-    # tile t = tm * n_ktiles + tk; stepping t by nprog steps (tm, tk) without a division
-    tm = pid // n_ktiles
-    tk = pid % n_ktiles
-    dm = nprog // n_ktiles
-    dk = nprog % n_ktiles
-    rows64, blocks, mask2 = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
-    wa, wb = _load_tile(x_ptr, rows64, blocks, mask2, stride_xw)
-    if TABLE:
-        table_ptr += pid * (TABLE_ROWS * TABLE_WORDS)
-        _write_table(table_ptr, global_enc, F16, WORD_MAJOR)
-    for t in range(pid, n_tiles, nprog):
-        tk += dk
-        wrap = tk >= n_ktiles
-        tm += dm + wrap.to(tl.int32)
-        tk = tl.where(wrap, tk - n_ktiles, tk)
-        nrows64, nblk, nmask = _tile_offsets(tm, tk, M, nblocks, BLOCK_M, BLOCKS_K)
-        na, nb = _load_tile(x_ptr, nrows64, nblk, nmask, stride_xw)
-        if TABLE or F16:  # (fp16 reads every threshold off the fp64 product, subnormals included)
-            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, F16,
-                             WORD_MAJOR)
-        elif global_enc < 5.192296858534828e33:  # 2^112: every bf16 threshold is normal (see _row)
-            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, True,
-                             WORD_MAJOR)
-        else:
-            _quantize16_tile(wa, wb, rows64, blocks, mask2, table_ptr, global_enc, packed_ptr, scale_ptr, chose_ptr,
-                             scaled_ptr, K, stride_sw, F16, FOUR_SIX, EMIT_PACKED, EMIT_SCALED, ASM, TABLE, False,
-                             WORD_MAJOR)
-        wa = na
-        wb = nb
-        rows64 = nrows64
-        blocks = nblk
-        mask2 = nmask
-
-
 def _tile(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCKS_K, num_warps) for an [m, k] input: about 4K elements a program."""
     blocks_k = min(32, next_pow2(max(1, k // 16)))
@@ -897,13 +199,19 @@ def _tile(m: int, k: int) -> tuple[int, int, int]:
     return block_m, blocks_k, 4
 
 
+# For sweeps (benchmarks/quant16_h200.py): a fixed 16-bit tile (bm, bk, warps), programs per SM, table use
+# and table layout; None (the default) leaves each to its rule below.
+FORCE_TILE16: Optional[tuple] = None
+FORCE_PER_SM: Optional[int] = None
+FORCE_TABLE: Optional[bool] = None
+FORCE_WORD_MAJOR: Optional[bool] = None
+
+
 def _tile16(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCKS_K, num_warps) of the 16-bit kernel's tile: a thread holds one block of 16
-    elements, 128 blocks a tile (``FP4PTQ_QUANT16_TILE=bm,bk,warps`` overrides, for sweeps)."""
-    forced = os.environ.get("FP4PTQ_QUANT16_TILE")
-    if forced:
-        bm, bk, w = (int(v) for v in forced.split(","))
-        return bm, bk, w
+    elements, 128 blocks a tile (``FORCE_TILE16 = (bm, bk, warps)`` overrides, for sweeps)."""
+    if FORCE_TILE16:
+        return FORCE_TILE16
     blocks_k = min(128, next_pow2(max(1, k // 16)))
     block_m = max(1, min(next_pow2(m), 128 // blocks_k))
     return block_m, blocks_k, 4
@@ -914,14 +222,13 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
     table, which costs about as much as a few tiles), between 2 and ``max_per_sm`` programs per SM (8 and
     8 for codes; 4 and 16 for the scaled W4A4 operand, whose stores are four times the bytes: H200 sweeps
     in benchmarks/NOTES.md);
-    ``FP4PTQ_QUANT16_PER_SM`` fixes the programs per SM, for sweeps. Under the interpreter 64, which
+    ``FORCE_PER_SM`` fixes the programs per SM, for sweeps. Under the interpreter 64, which
     only sets how many tiles a program loops over."""
     if device.type != "cuda":
         return min(n_tiles, 64)
     sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    forced = os.environ.get("FP4PTQ_QUANT16_PER_SM")
-    if forced:
-        return min(n_tiles, int(forced) * sms)
+    if FORCE_PER_SM:
+        return min(n_tiles, FORCE_PER_SM * sms)
     return min(n_tiles, max(2 * sms, min(max_per_sm * sms, n_tiles // tiles_each)))
 
 
@@ -934,15 +241,14 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
 # (mse) 1024 x 4096 12.8 / 14.3, 8192 x 4096 66.9 / 61.0, 8192 x 28672 434.8 / 382.6; the scaled W4A4
 # operand ahead per block at every size (8192 x 28672 249.3 / 261.8). fp16 (quant16_h200_table_fp16.json,
 # the row-a-thread table then) alike. So codes take the table from 32768 tiles (64M elements), from 8192
-# under Four Over Six; the scaled operand never. ``FP4PTQ_QUANT16_TABLE=1`` / ``0`` forces one, for sweeps.
+# under Four Over Six; the scaled operand never. ``FORCE_TABLE`` (True / False) forces one, for sweeps.
 QUANT16_TABLE_MIN_TILES = 32768
 QUANT16_TABLE_MIN_TILES_FOUR_SIX = 8192
 
 
 def _use_table(n_tiles: int, emit: str, four_six: Optional[str] = None) -> bool:
-    forced = os.environ.get("FP4PTQ_QUANT16_TABLE")
-    if forced in ("0", "1"):
-        return forced == "1"
+    if FORCE_TABLE is not None:
+        return FORCE_TABLE
     least = QUANT16_TABLE_MIN_TILES_FOUR_SIX if four_six else QUANT16_TABLE_MIN_TILES
     return emit == "packed" and n_tiles >= least
 
@@ -951,10 +257,9 @@ def _word_major(four_six: Optional[str]) -> bool:
     """The table's layout: word-major ([word][code]) for the standard codes, row-major under Four Over
     Six (H200, 3 interleaved rounds, results/quant16_h200_table_wordmajor.json, us, row / word-major:
     codes 8192 x 14336 96.4 / 90.8 = 78% of copy, 8192 x 28672 185.6 / 179.9; mse 195.3 / 200.8 and
-    383.1 / 391.9). ``FP4PTQ_QUANT16_WORD_MAJOR=1`` / ``0`` forces one, for sweeps."""
-    forced = os.environ.get("FP4PTQ_QUANT16_WORD_MAJOR")
-    if forced in ("0", "1"):
-        return forced == "1"
+    383.1 / 391.9). ``FORCE_WORD_MAJOR`` (True / False) forces one, for sweeps."""
+    if FORCE_WORD_MAJOR is not None:
+        return FORCE_WORD_MAJOR
     return four_six is None
 
 
@@ -966,9 +271,9 @@ def _word_major(four_six: Optional[str]) -> bool:
 QUANT16_MIN_ROWS = 3
 
 
-# The 16-bit kernel is used for bf16 / fp16 inputs unless FP4PTQ_QUANT16=0 (the fp32-compare kernel
+# The 16-bit kernel is used for bf16 / fp16 inputs unless QUANT16 is False (the fp32-compare kernel
 # then takes every dtype; kept selectable for comparisons).
-QUANT16 = os.environ.get("FP4PTQ_QUANT16", "1") != "0"
+QUANT16 = True
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -983,8 +288,8 @@ def quant16_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
 
 
-# FP4PTQ_QUANT16_INT_COUNT=1 counts with integer compares on sm_90 as well (for comparisons on the H200)
-INT_COUNT = os.environ.get("FP4PTQ_QUANT16_INT_COUNT", "0") == "1"
+# INT_COUNT = True counts with integer compares on sm_90 as well (for comparisons on the H200)
+INT_COUNT = False
 
 
 def _asm_kind(device: torch.device, dtype: torch.dtype) -> int:
@@ -1085,7 +390,7 @@ def quantize_launches(x: torch.Tensor, words: Optional[torch.Tensor], amax: torc
     ``run(x or words, amax)`` that allocates the outputs, launches, and returns what ``launch_quantize``
     does (the amax too is read at each call: a layer's static scale can change between calls).
     ``trigger``: the kernel signals ``griddepcontrol.launch_dependents`` as it starts, so that the
-    GEMM launched next as its programmatic dependent (``gemm.w4a4_pdl``) may start early."""
+    GEMM launched next as its programmatic dependent (``_common.w4a4_pdl``) may start early."""
     m, k = x.shape
     dev, dtype = x.device, x.dtype
     sstride = k if emit == "scaled" else 0  # (the scaled output is a fresh [M, K] tensor)

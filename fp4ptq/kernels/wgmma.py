@@ -35,7 +35,7 @@ shared-memory B operand (the M rows are wgmma's N, 64..256 a tile).
   probably for that reason).
 * Numerics as mma.py: exact products ``x * (v * scale * 2^-26)`` (bf16;
   ``2^-14`` fp16) summed in fp32 by the tensor core, ``2^26 / global_enc``
-  once per output; split K through gemm.py's fp32 workspace and ordered sum.
+  once per output; split K through _common.py's fp32 workspace and ordered sum.
 
 Measured on the H200 (benchmarks/NOTES.md, "Kernels, sixth pass"): correct
 (1.66e-3 relative error, as the tiled GEMM), 1.05-1.37x the dequantize + cuBLAS
@@ -47,7 +47,6 @@ tests/test_wgmma.py; GPU checks and timings: benchmarks/wgmma_h200.py
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -57,8 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._ints import cdiv
-from ._launch import Launch
+from ._common import Launch, cdiv
 from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
                   _index, _layouts, _sync, decide_once, decode_line, decode_mul_line, product_check, run_once, sm90_reason,
                   stop_using, store_output)
@@ -85,8 +83,8 @@ def _decode_mul_asm() -> str:
 
 # The bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts; H200 (results/muldec_tc_h200.json):
 # 2-10% faster at M = 96 / 128 on all ten rows (8B k 11.09 -> 10.80 us, Qwen2-7B qkv 29.8 -> 27.1).
-# FP4PTQ_WGMMA_MULDEC=0: the shift decode.
-MULDEC = os.environ.get("FP4PTQ_WGMMA_MULDEC", "1") != "0"
+# MULDEC = False: the shift decode.
+MULDEC = True
 
 _DECODE = gl.constexpr(_decode_asm())
 _DECODE_MUL = gl.constexpr(_decode_mul_asm())
@@ -363,7 +361,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking the kernel arguments at ``slots`` (x and y; the
     activations' global scale too in a W4A4 plan; y last), as ``mma.launches``."""
-    from .gemm import _sm_count, split_run, split_workspace
+    from ._common import _sm_count, split_run, split_workspace
 
     m, k = x2.shape
     n = words.shape[0]

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import os
 import weakref
 from typing import Optional
 
@@ -81,8 +80,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._ints import cdiv
-from ._launch import Launch
+from ._common import Launch, cdiv
 from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
                   decide_once, decode_line, decode_mul_lines, product_check, sm90_reason, stop_using)
 
@@ -407,7 +405,7 @@ def _sum_split_tiles(j, n_summers, full_tiles, n_split, num_m, part_ptr, count_p
     ``n_split``, numbered from ``full_tiles``), each once its ``SPLITS`` parts have counted themselves
     done (an acquire poll of its counter; the parts are items before this one, so they were started
     first and finish without waiting on anything): their fp32 partials added in part order (``.cg``
-    loads from L2), + bias, rounded once into y (the bits of gemm.py's summing launch), up to 128 rows at
+    loads from L2), + bias, rounded once into y (the bits of _common.py's summing launch), up to 128 rows at
     a time (every part's loads of a chunk issued together: 16 loads of 16 bytes a part and thread, one L2
     round trip a chunk); then the counter is set back to 0 for the next launch."""
     ROWS: gl.constexpr = BM if BM < 128 else 128
@@ -512,7 +510,7 @@ WIDE_STEP_COST, WIDE_GAIN = 1.42, 0.95
 # gate_up at M = 384 160.5 -> 133.5 us, Phi-3-mini qkv 56.3 -> 48.2, Qwen2-72B qkv 140.3 -> 125.8, Qwen2-7B down
 # 118.8 -> 106.5, Phi-3-mini down at 640 81.3 -> 72.7.
 WIDE_BIG_STEP_COST = 1.2
-WIDE_SMALL_M = os.environ.get("FP4PTQ_WSGEMM_WIDE", "1") != "0"
+WIDE_SMALL_M = True
 
 
 def _steps(m: int, n: int, k: int, sms: int, cfg: tuple) -> float:
@@ -638,8 +636,8 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     return full, parts, chunk, nt0, fill
 
 
-# The split tiles summed inside the launch (``summing_plan``): "0" keeps gemm.py's summing launch (comparisons)
-SUMMERS = os.environ.get("FP4PTQ_WSGEMM_SUMMERS", "1") != "0"
+# The split tiles summed inside the launch (``summing_plan``): False keeps _common.py's summing launch (comparisons)
+SUMMERS = True
 # bytes a program adds up (fp32 partials read, the output written) in the time of one K step: about 70 GB/s
 # an SM (a guess on the safe side; 8B qkv at M = 1024 left 36 K steps for 5 tiles, and the sums hid in them)
 SUMMER_BYTES_A_STEP = 6e4
@@ -789,15 +787,15 @@ def tma_scales(sbits: torch.Tensor, owner: Optional[torch.Tensor] = None) -> tor
 # six Llama-3.1 layers at M = 256..2048, W4A4 at 1024 / 8192, 3 interleaved rounds): outputs bit-equal to
 # the unswapped build on every row and check; 23 of 29 rows 1-8% faster (8B o at M = 1024 57.7 -> 54.5 us,
 # 8B down at 512 108.9 -> 100.4, W4A4 8B qkv at 8192 779 -> 738), the other 6 within 1.5% either way.
-# FP4PTQ_WSGEMM_SWAP=0 keeps the activations as A everywhere.
-SWAP_AB = os.environ.get("FP4PTQ_WSGEMM_SWAP", "1") != "0"
+# SWAP_AB = False keeps the activations as A everywhere.
+SWAP_AB = True
 # The decoder's bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts: 2 fewer operations a word
 # (about 6% of the decoder's step) made whole steps faster, so the decoder's work sets their pace (how is not
 # settled: taking the TMA copies and 4 barriers off its step instead measured +-6%,
 # results/wsgemm_consumer_loads_h200.json). H200 (results/muldec_tc_h200.json, 3 interleaved rounds): 17 of 18
 # rows 1.6-11% faster (M = 128: 8B gate_up 73.3 -> 65.1 us, 70B gate_up 276 -> 251; M = 1024: 8B qkv 91.9 -> 89.1,
-# 8B down 190.6 -> 183.2), 70B gate_up at M = 1024 +1.3%. FP4PTQ_WSGEMM_MULDEC=0: the shift decode.
-MULDEC = os.environ.get("FP4PTQ_WSGEMM_MULDEC", "1") != "0"
+# 8B down 190.6 -> 183.2), 70B gate_up at M = 1024 +1.3%. MULDEC = False: the shift decode.
+MULDEC = True
 
 
 def swapped(cfg: tuple) -> bool:
@@ -863,7 +861,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         raise TypeError(f"the warp-specialized path takes bf16 or fp16 activations, got {x2.dtype}")
     if not supports(m, n, k):
         raise ValueError(f"the warp-specialized path takes K % 64 == 0, got M={m}, N={n}, K={k}")
-    from .gemm import _sm_count, split_finish
+    from ._common import _sm_count, split_finish
 
     cfg = cfg or config(m, n, k, _sm_count(x2.device))
     reason = check_config(cfg)
