@@ -241,5 +241,16 @@ def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "needs_grad", "quantize",
-           "triton_unavailable_reason"]
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13, w2,
+                gate: Callable, *, backend: str = "auto") -> torch.Tensor:
+    """A Mixture-of-Experts layer's NVFP4 experts (``grouped.StackedWeight`` w13: gate over up rows, and
+    w2) in one grouped launch per projection, reading only the experts that received tokens
+    (``grouped.py``); ``backend`` as the other ops (the reference is the loop over experts)."""
+    from . import grouped
+
+    with _on_device_of(hidden):
+        return grouped.moe(hidden, top_k_index, top_k_weights, w13, w2, gate, backend=backend)
+
+
+__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "moe_experts",
+           "needs_grad", "quantize", "triton_unavailable_reason"]
