@@ -2,7 +2,7 @@
 
 The kernel checks run under ``TRITON_INTERPRET=1`` in a fresh process (as tests/test_kernels.py does:
 Triton decides at import whether it interprets), started by ``test_grouped_under_triton_interpreter``;
-the routing, the reference and the sm_90 / sm_80 builds run here.
+the routing, the reference, the LinearExperts hook's stacking and the sm_90 / sm_80 builds run here.
 Shapes are tiny and odd: 5 or 3 experts, some with no token, one token, masked slots, K not a multiple
 of the K tile. Run directly: ``TRITON_INTERPRET=1 pytest tests/test_grouped.py``.
 """
@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from fp4ptq import nvfp4
+from fp4ptq.experts import ExpertMLP, LinearExperts
+from fp4ptq.modules import NVFP4Linear
 
 pytest.importorskip("triton")
 
@@ -83,6 +85,62 @@ def test_reference_is_the_loop_over_experts():
         want = torch.zeros(24, dtype=x.dtype) if e >= 5 else torch.nn.functional.linear(
             x[t:t + 1], ws[e].dequantize(x.dtype))[0]
         assert torch.equal(y[p], want), p
+
+
+def _stub_gating():
+    class Gating:  # stands in for a transformers experts module's _apply_gate (concatenated SwiGLU)
+        @staticmethod
+        def _apply_gate(gate_up):
+            g, u = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(g) * u
+    return Gating()
+
+
+def _quantized_experts(e, hidden, inter, scheme="w4a16", four_six=None, seed=0, bias=False):
+    """A LinearExperts of NVFP4Linear experts, gate and up of each sharing one global scale."""
+    g = torch.Generator().manual_seed(seed)
+    experts = []
+    for i in range(e):
+        mlp = ExpertMLP(("gate_proj", "up_proj", "down_proj"), hidden, inter, bias=False, dtype=torch.float32)
+        ws = [torch.randn(inter, hidden, generator=g) * 0.05, torch.randn(inter, hidden, generator=g) * 0.05,
+              torch.randn(hidden, inter, generator=g) * 0.05]
+        shared = max(float(ws[0].abs().max()), float(ws[1].abs().max()))
+        amaxes = (shared, shared, None)
+        for name, w, amax in zip(mlp.names, ws, amaxes):
+            b = torch.randn(w.shape[0], generator=g) * 0.1 if bias else None
+            q = nvfp4.quantize(w, amax=amax)
+            lin = NVFP4Linear.from_quantized(q, b, scheme=scheme, act_four_six=four_six, dtype=torch.bfloat16,
+                                             input_amax=(2.5 + i if name != "down_proj" else 0.7) if scheme == "w4a4"
+                                             else None)
+            setattr(mlp, name, lin)
+        experts.append(mlp)
+    return LinearExperts(experts, _stub_gating(), True, e)
+
+
+def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
+    """The hook's stacking (CPU here; on CUDA forward takes it): codes and scales become views of the
+    stacks (state_dict unchanged, in-place writes reach both), dropped by .to(); an expert with its own
+    gate and up global scales is not grouped."""
+    layer = _quantized_experts(3, 32, 16)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    key, w13, w2 = layer._stacked_weights(torch.device("cpu"))
+    assert w13.packed.shape == (3, 32, 16) and w2.packed.shape == (3, 32, 8) and w13.input_amax is None
+    gate = layer[1].gate_proj
+    assert gate.weight_packed.data_ptr() == w13.packed[1].data_ptr()
+    assert layer[1].up_proj.weight_packed.data_ptr() == w13.packed[1, 16:].data_ptr()
+    after = layer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k].view(torch.uint8) if before[k].dtype
+                                                  == torch.float8_e4m3fn else before[k], after[k].view(torch.uint8)
+                                                  if after[k].dtype == torch.float8_e4m3fn else after[k])
+                                                  for k in before)
+    assert layer._stacked_weights(torch.device("cpu"))[1] is w13          # cached
+    layer.to(torch.float32)
+    assert layer._stacked is None
+    odd = _quantized_experts(3, 32, 16, seed=4)
+    with torch.no_grad():
+        odd[2].up_proj.weight_global_scale.mul_(2)
+    assert odd._stacked_weights(torch.device("cpu")) is None
+    assert odd.grouped_forward(_x(2, 32, 0), torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2)) is None
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
@@ -191,3 +249,20 @@ def test_activation_quantize_inside_the_kernel_is_bit_exact(four_six):
     out = torch.full((m, k), float("nan"))
     probe[(1,)](x, enc, out, m, k, BM=8, BK=64, FOUR_SIX=G.FOUR_SIX_CODES[four_six])
     assert torch.equal(out.view(torch.int32), want.reshape(m, k).view(torch.int32))
+
+
+@interpreted
+@pytest.mark.parametrize("scheme,four_six", [("w4a16", None), ("w4a4", "mse")])
+def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
+    """LinearExperts (3 experts, top-2, biases, one expert without a token) through the hook's grouped
+    path against its own loop over NVFP4Linear experts; a single token too."""
+    layer = _quantized_experts(3, 32, 16, scheme, four_six, seed=10, bias=True)
+    g = torch.Generator().manual_seed(11)
+    hidden = _x(5, 32, seed=12)
+    idx = torch.tensor([[0, 2], [2, 0], [0, 0], [2, 3], [2, 2]])  # 3: a masked slot
+    weights = torch.rand(5, 2, generator=g).bfloat16()
+    for h, i, w in ((hidden, idx, weights), (hidden[:1], idx[:1, :1], weights[:1, :1])):
+        loop = layer(h, i, w)
+        grouped = layer.grouped_forward(h, i, w)
+        assert grouped is not None and grouped.dtype == loop.dtype
+        assert _rel(grouped, loop) < TOLERANCE
