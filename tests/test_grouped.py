@@ -21,7 +21,7 @@ from fp4ptq.modules import NVFP4Linear
 
 pytest.importorskip("triton")
 
-from fp4ptq.kernels import grouped as G  # noqa: E402
+from fp4ptq.kernels import grouped as G
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -123,7 +123,7 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
     gate and up global scales is not grouped."""
     layer = _quantized_experts(3, 32, 16)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
-    key, w13, w2 = layer._stacked_weights(torch.device("cpu"))
+    _, w13, w2 = layer._stacked_weights(torch.device("cpu"))
     assert w13.packed.shape == (3, 32, 16) and w2.packed.shape == (3, 32, 8) and w13.input_amax is None
     gate = layer[1].gate_proj
     assert gate.weight_packed.data_ptr() == w13.packed[1].data_ptr()
@@ -144,13 +144,14 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
-@pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("a4,four_six", [(False, 0), (True, 0), (True, 1)])
-def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six):
-    """No GPU here: the kernel's builds (W4A16, W4A4, W4A4 with 4/6; bf16; the decode, a mid and the prefill
-    tile) compile for sm_90 and sm_80: tensor-core MMAs on the decoded weight (wgmma from the 64-row tile
-    on sm_90, mma.sync otherwise), shared memory within sm_80-89's 99 KB, and W4A4 built without FMA
-    contraction (its quantizer's roundings must stay those of nvfp4.py)."""
+@pytest.mark.parametrize("arch,a4,four_six,bm", [(90, False, 0, 16), (90, False, 0, 128), (80, False, 0, 128),
+                                                 (90, True, 1, 64), (80, True, 1, 16)])
+def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
+    """No GPU here: the kernel's builds (W4A16; W4A4 with Four Over Six, whose build holds the standard
+    quantizer too; bf16; the decode, a mid and the prefill tile) compile for sm_90 and sm_80: tensor-core
+    MMAs on the decoded weight (wgmma from the 64-row tile on sm_90, mma.sync otherwise), shared memory
+    within sm_80-89's 99 KB, and W4A4 built without FMA contraction (its quantizer's roundings must stay
+    those of nvfp4.py)."""
     import re
 
     from compile_target import compile_for
@@ -158,18 +159,17 @@ def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six):
     types = {"x_ptr": "*bf16", "token_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
              "offsets_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": "*fp32", "y_ptr": "*bf16"}
-    for bm in (16, 64, 128):
-        bn, bk, warps, stages = G.kernel_config(bm, 1536, 2048)
-        consts = {"GATHER": True, "HAS_BIAS": False, "A4": a4, "FOUR_SIX": four_six, "BLOCK_M": bm, "BLOCK_N": bn,
-                  "BLOCK_K": bk, "EVEN_K": True, "DOT_FP32": False}
-        built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages,
-                            enable_fp_fusion=not a4)
-        ptx = built.asm["ptx"]
-        mma = set(re.findall(r"wgmma\.mma_async|mma\.sync", ptx))
-        assert mma == ({"wgmma.mma_async"} if arch == 90 and bm >= 64 else {"mma.sync"}), (arch, bm, mma)
-        assert built.metadata.shared <= 99 * 1024, (arch, bm, built.metadata.shared)
-        if a4:
-            assert "fma.rn.f32" not in ptx
+    bn, bk, warps, stages = G.kernel_config(bm, 1536, 2048)
+    consts = {"GATHER": True, "HAS_BIAS": False, "A4": a4, "FOUR_SIX": four_six, "BLOCK_M": bm, "BLOCK_N": bn,
+              "BLOCK_K": bk, "EVEN_K": True, "DOT_FP32": False}
+    built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages,
+                        enable_fp_fusion=not a4)
+    ptx = built.asm["ptx"]
+    mma = set(re.findall(r"wgmma\.mma_async|mma\.sync", ptx))
+    assert mma == ({"wgmma.mma_async"} if arch == 90 and bm >= 64 else {"mma.sync"}), (arch, bm, mma)
+    assert built.metadata.shared <= 99 * 1024, (arch, bm, built.metadata.shared)
+    if a4:
+        assert "fma.rn.f32" not in ptx
 
 
 @interpreted
@@ -266,3 +266,4 @@ def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
         grouped = layer.grouped_forward(h, i, w)
         assert grouped is not None and grouped.dtype == loop.dtype
         assert _rel(grouped, loop) < TOLERANCE
+
