@@ -267,3 +267,62 @@ def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
         assert grouped is not None and grouped.dtype == loop.dtype
         assert _rel(grouped, loop) < TOLERANCE
 
+
+@pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
+def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
+    """benchmarks/bench_moe_h200.py without a GPU: its argument checks, and the markdown table, the goal
+    verdicts and the figure it writes from a results file (fake timings); its bf16 peer (torch's grouped
+    GEMM or the loop of matmuls, around the same sort) equals the fp32 layer on the CPU."""
+    import json
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_moe_h200 as B
+    finally:
+        sys.path.remove(str(bench))
+    args = B.parse(["--layers", "mixtral", "--tokens", "1,4096"])
+    assert args.layers == ["mixtral"] and args.tokens == [1, 4096] and args.rounds == 3
+    for bad in (["--layers", "llama"], ["--tokens", "1,x"], ["--tokens", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            B.parse(bad)
+        assert exc.value.code == 2
+    rows = []
+    for layer, (e, k, h, f) in B.LAYERS.items():
+        for tokens, speed in ((1, 3.0), (16, 2.4), (4096, 0.95)):
+            row = {"layer": layer, "experts": e, "top_k": k, "hidden": h, "ffn": f, "tokens": tokens,
+                   "active_experts": min(e, tokens * k), "bf16_impl": "grouped_mm", "bf16_us": 100.0}
+            for s in B.SCHEMES:
+                row.update({f"{s}_us": 100.0 / speed, f"{s}_x_bf16": speed, f"{s}_rel_err": 2e-3})
+            rows.append(row)
+    rows[-1]["w4a4_46_us"] = "RuntimeError('x')"
+    del rows[-1]["w4a4_46_x_bf16"]
+    path = tmp_path / "moe_h200.json"
+    path.write_text(json.dumps({"env": {"gpu": "fake"}, "rounds": 3, "rows": rows}))
+    assert B.main(["--report", str(path)]) == 0
+    md = (tmp_path / "moe_h200.md").read_text()
+    assert "| Mixtral-8x7B | 4096 | 8/8 | 100.0 | grouped_mm | 105.3 | 0.95x |" in md
+    assert "| failed | - |" in md
+    assert "| Qwen3-30B-A3B: decode (<= 16 tokens) >= 2.5x bf16 | 2.40x (worst) | not met |" in md
+    assert "| Mixtral-8x7B: 4096 tokens >= 0.9x bf16 | 0.95x | met |" in md
+    assert (tmp_path / "moe_h200.png").read_bytes()[:4] == b"\x89PNG"
+    assert md in capsys.readouterr().out
+    (tmp_path / "other.json").write_text(json.dumps({"table": []}))
+    with pytest.raises(SystemExit, match="other.json is not a bench_moe_h200.py results file"):
+        B.main(["--report", str(tmp_path / "other.json")])
+    with pytest.raises(SystemExit, match="cannot read"):
+        B.main(["--report", str(tmp_path / "missing.json")])
+
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(6, 32, 32, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(6, 32, 16, generator=g) * 0.1).bfloat16()
+    index, weights = B._routing(5, 6, 2, "cpu", g)
+    x = torch.randn(5, 32, generator=g).bfloat16()
+
+    def gate(a, b):
+        return torch.nn.functional.silu(a) * b
+    impl, make = B._bf16_layer(w13, w2, gate)
+    exact = B._fp32_layer(x, index, weights, w13, w2, gate)
+    for name in {impl, "loop"}:
+        assert _rel(make(x, index, weights, name)(), exact) < 1e-2
