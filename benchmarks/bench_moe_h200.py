@@ -27,7 +27,6 @@ markdown table and the figure beside the JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -271,16 +270,6 @@ def write_reports(res: dict, json_path: str) -> tuple:
     return stem + ".md", stem + ".png"
 
 
-def load(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"bench_moe_h200: cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise SystemExit(f"bench_moe_h200: {path} is not a bench_moe_h200.py results file (no 'rows' list)")
-    return data
-
-
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
@@ -307,7 +296,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     if args.report:
-        md, png = write_reports(load(args.report), args.report)
+        md, png = write_reports(harness.read_results(args.report, "bench_moe_h200"), args.report)
         print(Path(md).read_text(), end="")
         print(f"wrote {md} and {png}")
         return 0
