@@ -200,7 +200,7 @@ def grouped_linear_reference(x: torch.Tensor, routing: Routing, weight: StackedW
     """``y [P, N]``: sorted pair p times its expert's weight, expert by expert with the reference GEMMs
     (``kernels.linear_w4a16`` / ``linear_w4a4``, ``backend="reference"``). ``gather``: x is ``[T, K]``
     read at ``routing.token`` (w13), else ``[P, K]`` in sorted order (down). Rows of no expert are 0."""
-    from . import linear_w4a16, linear_w4a4
+    from . import linear_w4a4, linear_w4a16
 
     y = x.new_zeros((routing.pairs, weight.out_features))
     offsets = routing.offsets.tolist()
