@@ -107,7 +107,7 @@ class LinearExperts(nn.ModuleList):
     # NVFP4 experts on CUDA: two grouped launches (fp4ptq/kernels/grouped.py) instead of the loop
     # ------------------------------------------------------------------ #
     grouped = True   # set False to keep the loop over experts on CUDA too
-    _stacked = None  # (key, w13, w2): the experts' buffers stacked (theirs are views of it); w13 None: not groupable
+    _stacked = None  # (held, w13, w2): the experts' buffers stacked (theirs are views of it); w13 None: not groupable
 
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> Optional[torch.Tensor]:
@@ -128,24 +128,22 @@ class LinearExperts(nn.ModuleList):
         return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2], self.apply_gate)
 
     def _stacked_weights(self, device: torch.device):
-        """(key, w13, w2) ``grouped.StackedWeight`` of the experts, built at the first call: each expert's
+        """(held, w13, w2) ``grouped.StackedWeight`` of the experts, built at the first call: each expert's
         gate rows over its up rows (w13), its down rows (w2). The packed codes and block scales move into
-        the stacks and every expert's buffers become views of them (no memory added; in-place writes,
-        e.g. ``load_state_dict``, reach both). Dropped by ``.to()`` and the like and by ``load_state_dict``
-        on this module; rebuilt if the first expert's first projection or its buffer is replaced (a layer
-        that cannot be grouped is asked again then too)."""
+        the stacks and every expert's buffers become views of them (no memory added; in-place writes to
+        codes and scales, e.g. ``load_state_dict``, reach both). Built again when any expert, projection,
+        code, scale or global-scale tensor was replaced since (``.to()`` of one expert, a module swapped;
+        ``.to()`` of this module and its ``load_state_dict`` drop the stacks at once: global scales and
+        biases are copies in them). A layer that cannot be grouped is asked again after such a change."""
         from .modules import NVFP4Linear
 
-        first = self[0].projections()[0] if len(self) else None
-        packed = getattr(first, "weight_packed", None)
-        key = (id(first), id(packed), None if packed is None else packed.data_ptr())
         cached = self._stacked
-        if cached is not None and cached[0] == key:
+        if cached is not None and self._still_held(cached[0]):
             return cached if cached[1] is not None else None
-        self._stacked = (key, None, None)  # (until stacked: not groupable)
+        self._stacked = (self._holding(), None, None)  # (until stacked: not groupable)
         projections = [mlp.projections() for mlp in self]
         linears = [p for ps in projections for p in ps]
-        if not all(isinstance(p, NVFP4Linear) and p._fused is None for p in linears):
+        if not linears or not all(isinstance(p, NVFP4Linear) and p._fused is None for p in linears):
             return None
         spec = {(p.scheme, p.act_four_six, p.bias is not None, p.weight_packed.device) for p in linears}
         if len(spec) != 1 or next(iter(spec))[3] != device:
@@ -158,9 +156,27 @@ class LinearExperts(nn.ModuleList):
                     return None
             w13 = self._stack([(g, u) for g, u, _ in projections], scheme, four_six, has_bias)
             w2 = self._stack([(d,) for _, _, d in projections], scheme, four_six, has_bias)
-        packed = first.weight_packed  # (now a view of the stack)
-        self._stacked = ((id(first), id(packed), packed.data_ptr()), w13, w2)
+        self._stacked = (self._holding(), w13, w2)  # (the buffers are views of the stacks now)
         return self._stacked
+
+    def _holding(self) -> tuple:
+        """What the stacks were built from: the experts and, per projection, the module, its buffers and
+        the tensors in them (identities, checked by ``_still_held``)."""
+        experts = tuple(self._modules.values())
+        held = []
+        for mlp in experts:
+            for name in mlp.names:
+                m = mlp._modules.get(name)
+                b = getattr(m, "_buffers", {})
+                held.append((mlp._modules, name, m, b, b.get("weight_packed"), b.get("weight_scale"),
+                             b.get("weight_global_scale")))
+        return experts, held
+
+    def _still_held(self, holding: tuple) -> bool:
+        experts, held = holding
+        return (len(experts) == len(self._modules) and all(a is b for a, b in zip(self._modules.values(), experts))
+                and all(d.get(n) is m and b.get("weight_packed") is p and b.get("weight_scale") is s
+                        and b.get("weight_global_scale") is g for d, n, m, b, p, s, g in held))
 
     @staticmethod
     def _stack(groups: list, scheme: str, four_six, has_bias: bool):

@@ -119,8 +119,8 @@ def _quantized_experts(e, hidden, inter, scheme="w4a16", four_six=None, seed=0, 
 
 def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
     """The hook's stacking (CPU here; on CUDA forward takes it): codes and scales become views of the
-    stacks (state_dict unchanged, in-place writes reach both), dropped by .to(); an expert with its own
-    gate and up global scales is not grouped."""
+    stacks (state_dict unchanged), built again when one expert's buffer is replaced, dropped by .to();
+    an expert with its own gate and up global scales is not grouped."""
     layer = _quantized_experts(3, 32, 16)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     _, w13, w2 = layer._stacked_weights(torch.device("cpu"))
@@ -134,6 +134,10 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
                                                   if after[k].dtype == torch.float8_e4m3fn else after[k])
                                                   for k in before)
     assert layer._stacked_weights(torch.device("cpu"))[1] is w13          # cached
+    layer[2].down_proj.weight_packed = layer[2].down_proj.weight_packed.clone()  # one expert's buffer replaced
+    assert not layer._still_held(layer._stacked[0])
+    _, w13_again, _ = layer._stacked_weights(torch.device("cpu"))
+    assert w13_again is not w13 and layer[2].down_proj.weight_packed.data_ptr() == layer._stacked[2].packed[2].data_ptr()
     layer.to(torch.float32)
     assert layer._stacked is None
     odd = _quantized_experts(3, 32, 16, seed=4)
