@@ -137,6 +137,8 @@ class LinearExperts(nn.ModuleList):
         biases are copies in them). A layer that cannot be grouped is asked again after such a change."""
         from .modules import NVFP4Linear
 
+        if not len(self) or not isinstance(self[0].projections()[0], NVFP4Linear):
+            return None  # (not quantized: answered without looking at every expert)
         cached = self._stacked
         if cached is not None and self._still_held(cached[0]):
             return cached if cached[1] is not None else None
