@@ -120,7 +120,7 @@ def _quantized_experts(e, hidden, inter, scheme="w4a16", four_six=None, seed=0, 
 def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
     """The hook's stacking (CPU here; on CUDA forward takes it): codes and scales become views of the
     stacks (state_dict unchanged), built again when one expert's buffer is replaced, dropped by .to();
-    an expert with its own gate and up global scales is not grouped."""
+    an expert with its own gate and up global scales, and experts not quantized, are not grouped."""
     layer = _quantized_experts(3, 32, 16)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     _, w13, w2 = layer._stacked_weights(torch.device("cpu"))
@@ -145,6 +145,8 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
         odd[2].up_proj.weight_global_scale.mul_(2)
     assert odd._stacked_weights(torch.device("cpu")) is None
     assert odd.grouped_forward(_x(2, 32, 0), torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2)) is None
+    plain = LinearExperts([ExpertMLP(("w1", "w3", "w2"), 32, 16, False) for _ in range(3)], _stub_gating(), True, 3)
+    assert plain._stacked_weights(torch.device("cpu")) is None and plain._stacked is None  # not quantized
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
