@@ -27,7 +27,6 @@ tolerance (relative Frobenius error < 1e-2; docs/KERNELS.md).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,10 +36,8 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from .gemm import _output_scale, decode_tile
+from ._common import INTERPRET, _output_scale, cdiv, decode_tile
 from .quantize_kernel import FOUR_SIX_CODES, quantize_halves, signed_scaled
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernel is built, as Triton does
 
 
 @dataclass
@@ -154,13 +151,9 @@ class Routing:
         return self.order.numel()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def block_m_for(pairs: int, experts: int) -> int:
     """Rows a tile: the mean pairs an expert (decode: a few, one 16-row tile each; prefill: up to 128)."""
-    mean = _cdiv(pairs, max(1, min(experts, pairs)))
+    mean = cdiv(pairs, max(1, min(experts, pairs)))
     return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
 
 
@@ -182,7 +175,7 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = 
     bm = block_m or block_m_for(pairs, num_experts)
     tiles = (counts[:num_experts] + bm - 1) // bm
     cum = torch.cumsum(tiles, 0)
-    bound = _cdiv(pairs, bm) + min(num_experts, pairs)
+    bound = cdiv(pairs, bm) + min(num_experts, pairs)
     t = torch.arange(bound, device=dev)
     te = torch.searchsorted(cum, t, right=True)          # num_experts for the tiles past the last
     te_c = te.clamp(max=num_experts - 1)
@@ -355,7 +348,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
     bn, bk, warps, stages = kernel_config(bm, n, k)
-    grid = (routing.tile_expert.numel(), triton.cdiv(n, bn))
+    grid = (routing.tile_expert.numel(), cdiv(n, bn))
     enc = weight.enc
     _grouped_kernel[grid](
         x, routing.token, routing.tile_expert, routing.tile_row, routing.offsets,
