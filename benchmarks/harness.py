@@ -134,6 +134,20 @@ def recorder(res: dict, path: str, digits: int = 3):
     return save, record
 
 
+def read_results(path: str, script: str) -> dict:
+    """A results file of ``script`` (a dict with a ``rows`` list), or ``SystemExit`` naming the file and
+    what is wrong with it."""
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{script}: cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise SystemExit(f"{script}: {path} is not a {script}.py results file (no 'rows' list)")
+    return data
+
+
 def md_table(head: list, rows: list) -> list:
     """Markdown lines of a table: the header, the rule, one line a row (cells as given, str()-ed)."""
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

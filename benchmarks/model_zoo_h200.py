@@ -18,11 +18,9 @@ earlier one's for the same model, layer, M and dtype), with ``--before`` the tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import harness
 
@@ -89,12 +87,7 @@ def load_rows(paths) -> dict:
     """The rows of the results files ``paths`` by (model, layer, M, dtype), later files first."""
     rows = {}
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"model_zoo_h200: cannot read {path}: {exc}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            raise SystemExit(f"model_zoo_h200: {path} is not a model_zoo_h200.py results file (no 'rows' list)")
+        data = harness.read_results(path, "model_zoo_h200")
         for row in data["rows"]:
             rows[_key(row)] = row
     return rows

@@ -80,6 +80,10 @@ class LinearExperts(nn.ModuleList):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args, **kwargs) -> torch.Tensor:
+        if hidden_states.is_cuda and self.grouped:
+            out = self.grouped_forward(hidden_states, top_k_index, top_k_weights)
+            if out is not None:
+                return out
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # [E, k, T]: which (slot, token) pairs route to each expert; indices outside
@@ -98,6 +102,117 @@ class LinearExperts(nn.ModuleList):
                 y = y * top_k_weights[token, slot, None]
                 out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    # ------------------------------------------------------------------ #
+    # NVFP4 experts on CUDA: two grouped launches (fp4ptq/kernels/grouped.py) instead of the loop
+    # ------------------------------------------------------------------ #
+    grouped = True   # set False to keep the loop over experts on CUDA too
+    _stacked = None  # (held, w13, w2): the experts' buffers stacked (theirs are views of it); w13 None: not groupable
+
+    def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> Optional[torch.Tensor]:
+        """``forward`` through the grouped NVFP4 kernel, or None where it does not apply: off CUDA,
+        calibrating, under ``torch.compile``, where a gradient is asked for, with non-16-bit activations,
+        or unless every expert projection is an ``NVFP4Linear`` (one scheme and Four Over Six rule, not
+        fused by ``fusion.py``, gate and up of each expert sharing their global scales). The result
+        equals the loop's up to fp32 summation order (the dense kernels' tolerance)."""
+        if (self.calibrate_all or torch.compiler.is_compiling() or hidden_states.dim() != 2
+                or hidden_states.dtype not in (torch.bfloat16, torch.float16)
+                or (hidden_states.requires_grad and torch.is_grad_enabled())):
+            return None
+        stacked = self._stacked_weights(hidden_states.device)
+        if stacked is None:
+            return None
+        from . import kernels
+
+        return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2], self.apply_gate)
+
+    def _stacked_weights(self, device: torch.device):
+        """(held, w13, w2) ``grouped.StackedWeight`` of the experts, built at the first call: each expert's
+        gate rows over its up rows (w13), its down rows (w2). The packed codes and block scales move into
+        the stacks and every expert's buffers become views of them (no memory added; in-place writes to
+        codes and scales, e.g. ``load_state_dict``, reach both). Built again when any expert, projection,
+        code, scale or global-scale tensor was replaced since (``.to()`` of one expert, a module swapped;
+        ``.to()`` of this module and its ``load_state_dict`` drop the stacks at once: global scales and
+        biases are copies in them). A layer that cannot be grouped is asked again after such a change."""
+        from .modules import NVFP4Linear
+
+        if not len(self) or not isinstance(self[0].projections()[0], NVFP4Linear):
+            return None  # (not quantized: answered without looking at every expert)
+        cached = self._stacked
+        if cached is not None and self._still_held(cached[0]):
+            return cached if cached[1] is not None else None
+        self._stacked = (self._holding(), None, None)  # (until stacked: not groupable)
+        projections = [mlp.projections() for mlp in self]
+        linears = [p for ps in projections for p in ps]
+        if not linears or not all(isinstance(p, NVFP4Linear) and p._fused is None for p in linears):
+            return None
+        spec = {(p.scheme, p.act_four_six, p.bias is not None, p.weight_packed.device) for p in linears}
+        if len(spec) != 1 or next(iter(spec))[3] != device:
+            return None
+        scheme, four_six, has_bias, _ = next(iter(spec))
+        with torch.no_grad():
+            for gate, up, _down in projections:
+                if not torch.equal(gate.weight_global_scale, up.weight_global_scale) or (
+                        scheme == "w4a4" and not torch.equal(gate.input_global_scale, up.input_global_scale)):
+                    return None
+            w13 = self._stack([(g, u) for g, u, _ in projections], scheme, four_six, has_bias)
+            w2 = self._stack([(d,) for _, _, d in projections], scheme, four_six, has_bias)
+        self._stacked = (self._holding(), w13, w2)  # (the buffers are views of the stacks now)
+        return self._stacked
+
+    def _holding(self) -> tuple:
+        """What the stacks were built from: the experts and, per projection, the module, its buffers and
+        the tensors in them (identities, checked by ``_still_held``)."""
+        experts = tuple(self._modules.values())
+        held = []
+        for mlp in experts:
+            for name in mlp.names:
+                m = mlp._modules.get(name)
+                b = getattr(m, "_buffers", {})
+                held.append((mlp._modules, name, m, b, b.get("weight_packed"), b.get("weight_scale"),
+                             b.get("weight_global_scale")))
+        return experts, held
+
+    def _still_held(self, holding: tuple) -> bool:
+        experts, held = holding
+        return (len(experts) == len(self._modules) and all(a is b for a, b in zip(self._modules.values(), experts))
+                and all(d.get(n) is m and b.get("weight_packed") is p and b.get("weight_scale") is s
+                        and b.get("weight_global_scale") is g for d, n, m, b, p, s, g in held))
+
+    @staticmethod
+    def _stack(groups: list, scheme: str, four_six, has_bias: bool):
+        """One ``StackedWeight`` over ``groups`` (one tuple of NVFP4Linears a expert, their rows
+        concatenated); the members' codes and scales become views of it."""
+        from .kernels.grouped import StackedWeight
+
+        packed = torch.stack([torch.cat([m.weight_packed for m in g]) for g in groups])
+        scale = torch.stack([torch.cat([m.weight_scale for m in g]) for g in groups])
+        enc = torch.cat([g[0].weight_global_scale.float().reshape(1) for g in groups])
+        bias = torch.stack([torch.cat([m.bias for m in g]) for g in groups]) if has_bias else None
+        amax = torch.cat([g[0].input_amax().reshape(1) for g in groups]) if scheme == "w4a4" else None
+        for e, g in enumerate(groups):
+            row = 0
+            for m in g:
+                m._buffers["weight_packed"] = packed[e, row:row + m.out_features]
+                m._buffers["weight_scale"] = scale[e, row:row + m.out_features]
+                m._plans = None
+                m._decoded = None
+                row += m.out_features
+        return StackedWeight(packed, scale, enc, bias, amax, four_six if scheme == "w4a4" else None)
+
+    def _apply(self, fn, recurse=True):
+        self._stacked = None  # the buffers are replaced: stack them again at the next CUDA call
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._stacked = None  # global scales and biases are copies in the stacks
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_stacked"] = None
+        return state
 
 
 def is_experts_module(module: nn.Module) -> bool:

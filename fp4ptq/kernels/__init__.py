@@ -11,7 +11,8 @@ kernels on CPU tensors: that is how the tests check them without a GPU.
 Modules: ``dispatch.py`` (which path takes a call: the rules as one table), ``gemm.py`` (the launcher of
 every path, the tiled GEMM and dequantize + cuBLAS), ``gemv.py`` (M = 1-2), ``mma.py`` / ``wgmma.py`` /
 ``wsgemm.py`` (Gluon tensor-core kernels, the last two sm_90 only), ``dot_scaled.py`` (W4A4 on the FP4
-tensor cores of sm_100+), ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``), and
+tensor cores of sm_100+), ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``),
+``grouped.py`` (a MoE layer's experts, ``moe_experts``: one grouped launch per expert projection), and
 ``_common.py``, which they all share and which imports none of them.
 
 ``linear_plan`` gives the same launches decided once for a repeated input shape (``gemm.linear_plan``;
@@ -241,5 +242,16 @@ def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
     return y if bias is None else y + bias.to(y.dtype)
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "needs_grad", "quantize",
-           "triton_unavailable_reason"]
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13, w2,
+                gate: Callable, *, backend: str = "auto") -> torch.Tensor:
+    """A Mixture-of-Experts layer's NVFP4 experts (``grouped.StackedWeight`` w13: gate over up rows, and
+    w2) in one grouped launch per projection, reading only the experts that received tokens
+    (``grouped.py``); ``backend`` as the other ops (the reference is the loop over experts)."""
+    from . import grouped
+
+    with _on_device_of(hidden):
+        return grouped.moe(hidden, top_k_index, top_k_weights, w13, w2, gate, backend=backend)
+
+
+__all__ = ["BACKENDS", "BackendUnavailable", "auto_path", "linear_plan", "linear_w4a16", "linear_w4a4", "moe_experts",
+           "needs_grad", "quantize", "triton_unavailable_reason"]

@@ -1,0 +1,315 @@
+"""A Mixture-of-Experts layer's experts on the H200: the grouped NVFP4 kernel (``fp4ptq/kernels/grouped.py``)
+against the same layer in bf16 (issue 44, item 1).
+
+Layers: Qwen3-30B-A3B-shaped (128 experts, top-8, hidden 2048, expert FFN 768) and Mixtral-shaped (8 experts,
+top-2, hidden 4096, FFN 14336), at 1, 16, 256 and 4096 tokens routed uniformly at random (distinct experts per
+token, softmax weights; seeded). Each implementation runs the whole experts computation: sorting the
+(token, slot) pairs by expert, gate + up, the SwiGLU gating, down and the weighted sum of each token's k rows.
+
+* ``w4a16``, ``w4a4``, ``w4a4_46`` (W4A4 with Four Over Six activations, rule mse): ``fp4ptq.kernels.moe_experts``,
+  two grouped launches (w13 fused) reading only the experts with tokens;
+* ``bf16``: the same sort, gating and sum around ``torch._grouped_mm`` (torch's grouped GEMM, where the
+  installed torch has it; ``bf16_impl`` in the results says which ran) or else one cuBLAS call per expert
+  with tokens (the routing is fixed for the timed graph, so the host knows each expert's rows).
+
+Every time is the median of CUDA-graph replays of 10 calls (``harness.graph_us``), the peers interleaved in
+``ROUNDS`` rounds. Before timing, each output is checked against its reference: ours against the loop over
+experts through ``nvfp4.py`` (``grouped_linear_reference``; relative Frobenius error < 1e-2, the dense kernels'
+tolerance), bf16 against fp32 on the same weights. Goals (issue 44): >= 2.5x bf16 at decode sizes (1 and 16
+tokens) and >= 0.9x at 4096 tokens (W4A16). (``*_w13_rel_err``: the gate + up launch alone against the reference,
+the kernel's own tolerance; ``*_rel_err``: the whole layer, where W4A4 re-quantizes the gated activations, so an
+output a rounding apart can flip a code of the down projection's input and the layer's error is larger.)
+
+    PYTHONPATH=$PWD PEERS_DIR=.peers python benchmarks/bench_moe_h200.py   # $OUT/moe_h200.{json,md,png}
+
+Knobs: ``--layers qwen3,mixtral``, ``--tokens 1,16,256,4096``, ``--rounds 3``, ``--name moe_h200``. The report
+alone (any machine, no GPU): ``python benchmarks/bench_moe_h200.py --report results.json`` rewrites the
+markdown table and the figure beside the JSON file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import harness
+
+LAYERS = {  # name: (experts, top-k, hidden, expert FFN)
+    "qwen3": (128, 8, 2048, 768),
+    "mixtral": (8, 2, 4096, 14336),
+}
+LABELS = {"qwen3": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B"}
+TOKENS = (1, 16, 256, 4096)
+SCHEMES = ("w4a16", "w4a4", "w4a4_46")
+DECODE_MAX_TOKENS = 16
+GOALS = {"decode": 2.5, "prefill_4096": 0.9}
+
+
+def _routing(tokens: int, experts: int, k: int, device, gen):
+    import torch
+
+    logits = torch.randn(tokens, experts, device=device, generator=gen)
+    weights, index = logits.topk(k, dim=-1)
+    return index, torch.softmax(weights, dim=-1).to(torch.bfloat16)
+
+
+def _bf16_layer(w13, w2, gate):
+    """The bf16 experts: the same sort and sum as ours around torch's grouped GEMM (or a loop of cuBLAS
+    calls). Returns ``(impl name, make(hidden, index, weights) -> fn)``."""
+    import torch
+
+    from fp4ptq.kernels import grouped
+
+    has_grouped_mm = hasattr(torch, "_grouped_mm")
+
+    def make(hidden, index, weights, impl):
+        experts = w13.shape[0]
+        counts = None
+        if impl == "loop":  # (the routing is fixed: the host knows each expert's rows before the capture)
+            r = grouped.route(index, experts)
+            counts = (r.offsets[1:] - r.offsets[:-1]).tolist()
+
+        def mm(x, w, offs):
+            if impl == "grouped_mm":  # [P, K] x [E, K, N] (the weights' transposed view) by groups of rows
+                return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            out = x.new_empty((x.shape[0], w.shape[1]))
+            lo = 0
+            for e, c in enumerate(counts):
+                if c:
+                    torch.mm(x[lo:lo + c], w[e].t(), out=out[lo:lo + c])
+                lo += c
+            return out
+
+        def fn():
+            rr = grouped.route(index, experts)
+            offs = rr.offsets[1:]
+            h = mm(hidden[rr.token.long()], w13, offs)
+            inter = w13.shape[1] // 2
+            a = gate(h[:, :inter], h[:, inter:])
+            y = mm(a, w2, offs)
+            w = weights.reshape(-1)[rr.order].float()
+            per_pair = torch.empty_like(y, dtype=torch.float32).index_copy_(0, rr.order, y.float() * w[:, None])
+            return per_pair.view(index.shape[0], index.shape[1], -1).sum(1).to(hidden.dtype)
+        return fn
+
+    return ("grouped_mm" if has_grouped_mm else "loop"), make
+
+
+def run(args) -> dict:
+    import torch
+
+    from fp4ptq import kernels, nvfp4
+    from fp4ptq.kernels import grouped
+
+    dev = torch.device(args.device)
+    t0 = time.time()
+    peers = harness.peers()
+    res = {"env": peers.env(), "goals": GOALS, "rounds": args.rounds, "rows": []}
+    path = harness.out_path(args.name + ".json")
+    save, record = harness.recorder(res, path)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def gate(g, u):
+        return torch.nn.functional.silu(g) * u
+
+    for layer in args.layers:
+        experts, k, hidden_size, ffn = LAYERS[layer]
+        w13f = torch.randn(experts, 2 * ffn, hidden_size, device=dev, generator=gen) * 0.02
+        w2f = torch.randn(experts, hidden_size, ffn, device=dev, generator=gen) * 0.02
+        # one global scale per expert for gate and up together (w13), as fp4ptq.quantize stores them
+        q13 = [nvfp4.quantize(w13f[e]) for e in range(experts)]
+        q2 = [nvfp4.quantize(w2f[e]) for e in range(experts)]
+        w13b = torch.stack([q.dequantize(torch.bfloat16) for q in q13])   # bf16 peer: the same weights
+        w2b = torch.stack([q.dequantize(torch.bfloat16) for q in q2])
+        del w13f, w2f
+        stacks = {}
+        for scheme in SCHEMES:
+            amax13 = [torch.tensor(8.0)] * experts if scheme != "w4a16" else None
+            amax2 = [torch.tensor(4.0)] * experts if scheme != "w4a16" else None
+            rule = "mse" if scheme == "w4a4_46" else None
+            stacks[scheme] = (grouped.stack_weights(q13, input_amax=amax13, four_six=rule),
+                              grouped.stack_weights(q2, input_amax=amax2, four_six=rule))
+        del q13, q2
+        impl, make_bf16 = _bf16_layer(w13b, w2b, gate)
+        for tokens in args.tokens:
+            index, weights = _routing(tokens, experts, k, dev, gen)
+            hidden = torch.randn(tokens, hidden_size, device=dev, generator=gen).to(torch.bfloat16)
+            row = {"layer": layer, "experts": experts, "top_k": k, "hidden": hidden_size, "ffn": ffn,
+                   "tokens": tokens, "active_experts": int(index.unique().numel()), "bf16_impl": impl}
+            fns = {}
+            for scheme, (s13, s2) in stacks.items():
+                def ours(s13=s13, s2=s2, hidden=hidden, index=index, weights=weights):
+                    return kernels.moe_experts(hidden, index, weights, s13, s2, gate)
+                ref = grouped.moe(hidden, index, weights, s13, s2, gate, backend="reference")
+                row[f"{scheme}_rel_err"] = harness.rel(ours(), ref)
+                r = grouped.route(index, experts)  # the kernel alone on w13 (the dense kernels' tolerance: 1e-2)
+                row[f"{scheme}_w13_rel_err"] = harness.rel(
+                    grouped.grouped_linear(hidden, r, s13)[r.valid], grouped.grouped_linear_reference(hidden, r, s13)[r.valid])
+                replays = harness.graph_replays(ours, 2)
+                row[f"{scheme}_graph_equal"] = all(torch.equal(replays[0], o) for o in replays)
+                fns[scheme] = ours
+            bf16 = make_bf16(hidden, index, weights, impl)
+            try:
+                y = bf16()
+            except Exception as exc:  # noqa: BLE001 - torch._grouped_mm refused: the loop of cuBLAS calls
+                row["bf16_grouped_mm_error"] = repr(exc)[:300]
+                row["bf16_impl"] = "loop"
+                bf16 = make_bf16(hidden, index, weights, "loop")
+                y = bf16()
+            if tokens <= 256:
+                with torch.no_grad():
+                    row["bf16_rel_err"] = harness.rel(y, _fp32_layer(hidden, index, weights, w13b, w2b, gate))
+            fns["bf16"] = bf16
+            times = harness.interleaved(fns, args.rounds)
+            for label, us in times.items():
+                row[f"{label}_us"] = us
+            for scheme in SCHEMES:
+                if isinstance(times.get(scheme), float) and isinstance(times.get("bf16"), float):
+                    row[f"{scheme}_x_bf16"] = times["bf16"] / times[scheme]
+            record("rows", row)
+        del stacks, w13b, w2b
+        torch.cuda.empty_cache()
+    res["seconds"] = time.time() - t0
+    save()
+    write_reports(res, path)
+    return res
+
+
+def _fp32_layer(hidden, index, weights, w13, w2, gate):
+    """The exact layer in fp32 (token by token over its k experts) for the bf16 peer's error."""
+    import torch
+
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    inter = w13.shape[1] // 2
+    for e in index.unique().tolist():
+        t, s = torch.where(index == e)
+        h = hidden[t].float() @ w13[e].float().t()
+        y = gate(h[:, :inter], h[:, inter:]) @ w2[e].float().t()
+        out.index_add_(0, t, y * weights[t, s, None].float())
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Reports (any machine)
+# --------------------------------------------------------------------------- #
+def _us(v) -> str:
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "failed"
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
+
+
+def verdicts(res: dict) -> list:
+    """(goal, figure, met) for each of issue 44's goals that the rows measure (W4A16 against bf16)."""
+    out = []
+    for layer in dict.fromkeys(r["layer"] for r in res["rows"]):
+        rows = [r for r in res["rows"] if r["layer"] == layer]
+        decode = [r.get("w4a16_x_bf16") for r in rows if r["tokens"] <= DECODE_MAX_TOKENS]
+        if decode and all(isinstance(v, float) for v in decode):
+            worst = min(decode)
+            goal = f"{LABELS.get(layer, layer)}: decode (<= {DECODE_MAX_TOKENS} tokens) >= {GOALS['decode']}x bf16"
+            out.append((goal, f"{worst:.2f}x (worst)", worst >= GOALS["decode"]))
+        big = [r.get("w4a16_x_bf16") for r in rows if r["tokens"] == 4096]
+        if big and isinstance(big[0], float):
+            out.append((f"{LABELS.get(layer, layer)}: 4096 tokens >= {GOALS['prefill_4096']}x bf16",
+                        f"{big[0]:.2f}x", big[0] >= GOALS["prefill_4096"]))
+    return out
+
+
+def markdown(res: dict) -> str:
+    head = ["layer", "tokens", "active experts", "bf16 (us)", "bf16 impl", "W4A16 (us)", "x bf16", "W4A4 (us)",
+            "x bf16", "W4A4 4/6 (us)", "x bf16", "rel. error w13 W4A16 / W4A4 / 4/6", "layer"]
+    cells = []
+    for r in res["rows"]:
+        errs = " / ".join(f"{r.get(f'{s}_w13_rel_err', float('nan')):.1e}" for s in SCHEMES)
+        layer_errs = " / ".join(f"{r.get(f'{s}_rel_err', float('nan')):.1e}" for s in SCHEMES)
+        cells.append([LABELS.get(r["layer"], r["layer"]), r["tokens"], f"{r['active_experts']}/{r['experts']}",
+                      _us(r.get("bf16_us")), r.get("bf16_impl", ""), _us(r.get("w4a16_us")), _x(r.get("w4a16_x_bf16")),
+                      _us(r.get("w4a4_us")), _x(r.get("w4a4_x_bf16")), _us(r.get("w4a4_46_us")),
+                      _x(r.get("w4a4_46_x_bf16")), errs, layer_errs])
+    env = res.get("env", {})
+    title = (f"MoE experts, NVFP4 grouped kernel vs bf16 ({env.get('gpu', '?')}, torch {env.get('torch', '?')}, "
+             f"triton {env.get('triton', '?')}; CUDA-graph replays, median of {res.get('rounds', '?')} rounds)")
+    lines = [title, ""]
+    lines += harness.md_table(head, cells)
+    goals = verdicts(res)
+    if goals:
+        lines += ["", "| goal (issue 44) | measured | met |", "|---|---|---|"]
+        lines += [f"| {g} | {f} | {'met' if m else 'not met'} |" for g, f, m in goals]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    """x bf16 against tokens, one line per layer and scheme (log-x), the goals as dashed lines."""
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for layer in dict.fromkeys(r["layer"] for r in res["rows"]):
+        rows = sorted((r for r in res["rows"] if r["layer"] == layer), key=lambda r: r["tokens"])
+        for scheme, style in zip(SCHEMES, ("-o", "--s", ":^")):
+            pts = [(r["tokens"], r[f"{scheme}_x_bf16"]) for r in rows if isinstance(r.get(f"{scheme}_x_bf16"), float)]
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{LABELS.get(layer, layer)} {scheme}")
+    ax.axhline(GOALS["decode"], color="grey", ls="--", lw=0.8)
+    ax.axhline(GOALS["prefill_4096"], color="grey", ls=":", lw=0.8)
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("speed vs bf16 (x)")
+    ax.set_title("NVFP4 grouped MoE experts vs bf16")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, ".tmp-" + os.path.basename(path))
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_reports(res: dict, json_path: str) -> tuple:
+    """The markdown table and the figure beside ``json_path`` (``NAME.md``, ``NAME.png``)."""
+    stem = str(Path(json_path).with_suffix(""))
+    harness.write_text(stem + ".md", markdown(res))
+    plot(res, stem + ".png")
+    return stem + ".md", stem + ".png"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    ap.add_argument("--name", default="moe_h200", help="results file name under $OUT (no suffix)")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # (a dry run of the script's glue)
+    ap.add_argument("--report", metavar="JSON", help="only write NAME.md and NAME.png beside this results file")
+    args = ap.parse_args(argv)
+    args.layers = [a for a in args.layers.split(",") if a]
+    unknown = [a for a in args.layers if a not in LAYERS]
+    if unknown:
+        ap.error(f"unknown layer(s) {', '.join(unknown)}; choose from {', '.join(LAYERS)}")
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    except ValueError:
+        ap.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+    if not args.tokens or min(args.tokens) < 1:
+        ap.error("--tokens: give one or more counts >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.report:
+        md, png = write_reports(harness.read_results(args.report, "bench_moe_h200"), args.report)
+        print(Path(md).read_text(), end="")
+        print(f"wrote {md} and {png}")
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""Grouped NVFP4 GEMM for Mixture-of-Experts layers: one launch per expert projection per layer.
+
+A MoE layer routes each of its T tokens to k of its E experts. ``route`` sorts the T * k (token, slot)
+pairs by expert (stable, so within an expert the pairs keep token order) and cuts each expert's run of
+pairs into tiles of ``block_m`` rows; ``grouped_linear`` then multiplies, in one launch, every pair's
+activation row by its expert's weight, read from a stacked view of the experts' packed weights
+(``StackedWeight``: codes ``[E, N, K/2]``, block scales ``[E, N, K/16]``, global scales ``[E]``). Only
+tiles of experts that received pairs exist, so experts without tokens are never read; the grid has an
+upper bound of tiles (``cdiv(P, block_m) + min(E, P)``, P pairs) known on the host, and the programs
+past the real count return at once, so the launch needs no host synchronization (CUDA graphs).
+
+The same kernel takes decode (a few pairs: one tile per active expert, each program streams a slice of
+one expert's weight) and prefill (many pairs per expert: the tile of ``block_m`` rows reuses each
+decoded weight tile ``block_m`` times). Gate and up are one GEMM (w13): the caller stacks each expert's
+gate rows over its up rows (one shared weight global scale). The down projection reads the pairs in
+sorted order (no gather).
+
+Numerics, as the dense kernels (``gemm.py``): the weight is decoded to ``code value * block scale``
+(exact in 16 bits), the products summed in fp32 and the sum multiplied by ``2^14 / global_enc`` (one
+correctly rounded scalar per expert). W4A4 quantizes each activation block inside the kernel under the
+pair's expert's activation global scale with ``quantize_kernel.quantize_halves`` (the codes and scales
+of ``nvfp4.quantize``, Four Over Six included), multiplies the exact ``v * scale`` operands and divides
+by both global scales. The output therefore equals the per-expert reference (``grouped_linear_reference``:
+the loop over experts through ``fp4ptq.kernels``' reference, i.e. ``nvfp4.py``) up to fp32 summation
+order and the reference's rounding of the decoded weight to the activation dtype: the dense kernels'
+tolerance (relative Frobenius error < 1e-2; docs/KERNELS.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import nvfp4
+from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from ._common import INTERPRET, _output_scale, cdiv, decode_tile
+from .quantize_kernel import FOUR_SIX_CODES, quantize_halves, signed_scaled
+
+
+@dataclass
+class StackedWeight:
+    """One expert projection of a MoE layer, every expert's NVFP4 weight stacked.
+
+    packed:    uint8 ``[E, N, K/2]``; scale: float8_e4m3fn ``[E, N, K/16]``;
+    enc:       fp32 ``[E]`` weight global scales (divisors);
+    bias:      ``[E, N]`` or None;
+    input_amax: fp32 ``[E]`` each expert's calibrated activation amax for W4A4, or None for W4A16;
+    four_six:  the activation Four Over Six rule (W4A4 only).
+
+    ``input_enc`` (derived, fp32 ``[E]``): the activation global scales the reference derives from
+    ``input_amax`` (``nvfp4.global_encode_scale``, Four Over Six's numerator where ``four_six``)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    enc: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    input_amax: Optional[torch.Tensor] = None
+    four_six: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.input_enc = (None if self.input_amax is None
+                          else nvfp4.global_encode_scale(self.input_amax.float(), self.four_six is not None))
+
+    @property
+    def num_experts(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[2] * 2
+
+    def expert(self, e: int) -> NVFP4Tensor:
+        """Expert ``e``'s weight as an ``NVFP4Tensor`` (views)."""
+        return NVFP4Tensor(self.packed[e], self.scale[e], self.enc[e].reshape(()),
+                           torch.Size((self.out_features, self.in_features)), torch.bfloat16)
+
+    def check(self) -> None:
+        """Raise ``NVFP4Error`` naming what is inconsistent."""
+        e, n, half = self.packed.shape if self.packed.dim() == 3 else (None, None, None)
+        if e is None or self.packed.dtype != torch.uint8:
+            raise nvfp4.NVFP4Error(f"StackedWeight.packed: expected uint8 [E, N, K/2], got "
+                                   f"{self.packed.dtype} {tuple(self.packed.shape)}")
+        if self.scale.shape != (e, n, half * 2 // BLOCK_SIZE) or self.scale.dtype != torch.float8_e4m3fn:
+            raise nvfp4.NVFP4Error(f"StackedWeight.scale: expected float8_e4m3fn {(e, n, half * 2 // BLOCK_SIZE)}, "
+                                   f"got {self.scale.dtype} {tuple(self.scale.shape)}")
+        if self.enc.shape != (e,) or self.enc.dtype != torch.float32:
+            raise nvfp4.NVFP4Error(f"StackedWeight.enc: expected fp32 [{e}], got {self.enc.dtype} {tuple(self.enc.shape)}")
+        if self.bias is not None and self.bias.shape != (e, n):
+            raise nvfp4.NVFP4Error(f"StackedWeight.bias: expected [{e}, {n}], got {tuple(self.bias.shape)}")
+        if self.input_amax is not None and self.input_amax.shape != (e,):
+            raise nvfp4.NVFP4Error(f"StackedWeight.input_amax: expected [{e}], got {tuple(self.input_amax.shape)}")
+        if self.four_six not in FOUR_SIX_CODES:
+            raise nvfp4.NVFP4Error(f"StackedWeight.four_six: unknown rule {self.four_six!r}; "
+                                   f"choose one of {nvfp4.FOUR_SIX_RULES}")
+
+
+def stack_weights(weights: list, biases: Optional[list] = None, input_amax: Optional[list] = None,
+                  four_six: Optional[str] = None) -> StackedWeight:
+    """A ``StackedWeight`` from one ``NVFP4Tensor`` per expert (copies); W4A4 with the per-expert
+    calibrated ``input_amax``."""
+    if not weights:
+        raise nvfp4.NVFP4Error("stack_weights: no expert weights")
+    shape = weights[0].shape
+    for e, w in enumerate(weights):
+        if w.shape != shape or len(shape) != 2 or w.padded_k != shape[-1]:
+            raise nvfp4.NVFP4Error(f"stack_weights: expert {e} has shape {tuple(w.shape)} (padded K {w.padded_k}); "
+                                   f"every expert needs the unpadded 2-D shape {tuple(shape)}")
+    amax = None
+    if input_amax is not None:
+        amax = torch.stack([torch.as_tensor(a, dtype=torch.float32).reshape(()) for a in input_amax])
+        amax = amax.to(weights[0].packed.device)
+    out = StackedWeight(
+        torch.stack([w.packed for w in weights]), torch.stack([w.block_scale for w in weights]),
+        torch.stack([w.global_enc.reshape(()).float() for w in weights]),
+        None if biases is None else torch.stack(list(biases)), amax, four_six if input_amax is not None else None)
+    out.check()
+    return out
+
+
+@dataclass
+class Routing:
+    """The pairs of a MoE call sorted by expert, and the tiles the grouped kernel runs.
+
+    order:       int64 ``[P]``: the pair (``token * k + slot``) at each sorted position; pairs routed
+                 outside ``[0, E)`` (transformers' expert-parallel sentinel ``>= E``) sort last and
+                 belong to no expert.
+    token:       int32 ``[P]``: the token of each sorted pair (the activation row w13 reads).
+    offsets:     int32 ``[E + 1]``: expert e's pairs are the sorted positions ``offsets[e]:offsets[e+1]``.
+    tile_expert: int32 ``[tiles]``: each tile's expert, -1 for the unused tiles of the upper bound.
+    tile_row:    int32 ``[tiles]``: each tile's first sorted position.
+    valid:       bool ``[P]``: whether the sorted pair belongs to an expert.
+    block_m:     rows a tile."""
+
+    order: torch.Tensor
+    token: torch.Tensor
+    offsets: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor
+    valid: torch.Tensor
+    block_m: int
+
+    @property
+    def pairs(self) -> int:
+        return self.order.numel()
+
+
+def block_m_for(pairs: int, experts: int) -> int:
+    """Rows a tile: the mean pairs an expert (decode: a few, one 16-row tile each; prefill: up to 128)."""
+    mean = cdiv(pairs, max(1, min(experts, pairs)))
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
+
+
+def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> Routing:
+    """``Routing`` of ``top_k_index [T, k]`` over ``num_experts`` experts, in torch ops that do not wait
+    for the device (no ``.item()``, no data-dependent shapes): capturable in a CUDA graph."""
+    if top_k_index.dim() != 2:
+        raise nvfp4.NVFP4Error(f"route: top_k_index must be [tokens, k], got shape {tuple(top_k_index.shape)}")
+    tokens, k = top_k_index.shape
+    dev = top_k_index.device
+    flat = top_k_index.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0)
+    pairs = tokens * k
+    bm = block_m or block_m_for(pairs, num_experts)
+    tiles = (counts[:num_experts] + bm - 1) // bm
+    cum = torch.cumsum(tiles, 0)
+    bound = cdiv(pairs, bm) + min(num_experts, pairs)
+    t = torch.arange(bound, device=dev)
+    te = torch.searchsorted(cum, t, right=True)          # num_experts for the tiles past the last
+    te_c = te.clamp(max=num_experts - 1)
+    tile_row = offsets[te_c] + (t - (cum - tiles)[te_c]) * bm
+    return Routing(order, (order // k).to(torch.int32), offsets.to(torch.int32),
+                   torch.where(te < num_experts, te, -1).to(torch.int32), tile_row.to(torch.int32),
+                   sorted_key < num_experts, bm)
+
+
+# --------------------------------------------------------------------------- #
+# Reference: the loop over experts (nvfp4.py through the kernels' reference backend)
+# --------------------------------------------------------------------------- #
+def grouped_linear_reference(x: torch.Tensor, routing: Routing, weight: StackedWeight,
+                             gather: bool = True) -> torch.Tensor:
+    """``y [P, N]``: sorted pair p times its expert's weight, expert by expert with the reference GEMMs
+    (``kernels.linear_w4a16`` / ``linear_w4a4``, ``backend="reference"``). ``gather``: x is ``[T, K]``
+    read at ``routing.token`` (w13), else ``[P, K]`` in sorted order (down). Rows of no expert are 0."""
+    from . import linear_w4a4, linear_w4a16
+
+    y = x.new_zeros((routing.pairs, weight.out_features))
+    offsets = routing.offsets.tolist()
+    for e in range(weight.num_experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        xe = x[routing.token[lo:hi].long()] if gather else x[lo:hi]
+        w = weight.expert(e)
+        bias = None if weight.bias is None else weight.bias[e]
+        if weight.input_enc is None:
+            y[lo:hi] = linear_w4a16(xe, w, bias, backend="reference")
+        else:
+            y[lo:hi] = linear_w4a4(xe, w, weight.input_amax[e], bias, four_six=weight.four_six, backend="reference")
+    return y
+
+
+# --------------------------------------------------------------------------- #
+# The Triton kernel
+# --------------------------------------------------------------------------- #
+@triton.jit
+def quantized_activation_tile(x_ptr, rows64, rows_ok, stride_xm, k0, K, x_enc, BLOCK_K: tl.constexpr,
+                              FOUR_SIX: tl.constexpr):
+    """Rows ``rows64`` x columns ``k0 .. k0 + BLOCK_K`` of x quantized to NVFP4 under ``x_enc`` (Four
+    Over Six rule code ``FOUR_SIX``, 0 standard), as the exact fp32 operand ``sign * v * block_scale``
+    ``[BM, BLOCK_K]`` (codes and scales of ``nvfp4.quantize``; rows and columns outside are 0)."""
+    blocks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    ok = rows_ok[:, None, None] & (blocks < K // 16)[None, :, None]
+    offs = rows64[:, None, None] * stride_xm + (blocks * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    xa = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)      # elements 0..7 of each block
+    xb = tl.load(x_ptr + offs + 8, mask=ok, other=0.0).to(tl.float32)  # 8..15
+    ia, ib, scale, _, _ = quantize_halves(xa, xb, x_enc, FOUR_SIX)
+    va = signed_scaled(ia, xa, scale)
+    vb = signed_scaled(ib, xb, scale)
+    full = tl.permute(tl.join(va, vb), (0, 1, 3, 2))                   # [BM, NB, 2, 8]: K order
+    return tl.reshape(full, (rows64.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _grouped_kernel(
+    x_ptr, token_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
+    N, K, stride_xm, stride_ym,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, A4: tl.constexpr, FOUR_SIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:  # past the tiles of this call (the grid is an upper bound)
+        return
+    start = tl.load(tile_row_ptr + tile)
+    end = tl.load(offsets_ptr + e + 1)
+    p = start + tl.arange(0, BLOCK_M)
+    p_ok = p < end
+    p_ld = tl.where(p_ok, p, start).to(tl.int64)
+    if GATHER:
+        rows = tl.load(token_ptr + p_ld).to(tl.int64)
+    else:
+        rows = p_ld
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n_ld = tl.where(n_ok, n, 0).to(tl.int64)
+    e64 = e.to(tl.int64)
+    kw = K // 8
+    kb = K // 16
+    w_rows = w_ptr + (e64 * N + n_ld) * kw       # int32 words, 8 codes each
+    s_rows = s_ptr + (e64 * N + n_ld) * kb       # E4M3 bytes
+    ak = tl.arange(0, BLOCK_K)
+    aw = tl.arange(0, BLOCK_K // 8)
+    ab = tl.arange(0, BLOCK_K // 16)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    if A4:
+        x_enc = tl.load(xenc_ptr + e)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if A4:
+            x = quantized_activation_tile(x_ptr, rows, p_ok, stride_xm, k0, K, x_enc, BLOCK_K, FOUR_SIX).to(DT)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ak)[None, :],
+                        mask=p_ok[:, None] & (k0 + ak < K)[None, :], other=0.0)
+        if EVEN_K:
+            words = tl.load(w_rows[:, None] + (k0 // 8 + aw)[None, :])
+            sb = tl.load(s_rows[:, None] + (k0 // 16 + ab)[None, :])
+        else:
+            words = tl.load(w_rows[:, None] + (k0 // 8 + aw)[None, :], mask=(k0 // 8 + aw < kw)[None, :], other=0)
+            sb = tl.load(s_rows[:, None] + (k0 // 16 + ab)[None, :], mask=(k0 // 16 + ab < kb)[None, :], other=0)
+        wt = decode_tile(words, sb, BLOCK_N, BLOCK_K, DT, False)  # v * scale * 2^-14, exact
+        if DOT_FP32:  # Triton interpreter: its bf16 dot multiplies the raw uint16 patterns
+            x = x.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(x, tl.trans(wt), acc)
+    y = _output_scale(acc, wenc_ptr + e, xenc_ptr + e, 16384.0, A4)  # * 2^14 / (enc_w (* enc_x))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + e64 * N + n_ld).to(tl.float32)[None, :]
+    ptrs = y_ptr + p_ld[:, None] * stride_ym + n_ld[None, :]
+    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & n_ok[None, :])
+
+
+def kernel_config(block_m: int, n: int, k: int) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a tile of ``block_m`` rows. Not tuned on a GPU yet
+    (issue 44: the H200 run that measures it is still to come)."""
+    if INTERPRET:
+        return 32, 32 if k % 64 else 64, 4, 1
+    bk = 128 if block_m <= 32 else 64
+    if k % bk:
+        bk = 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
+    bn = 64 if block_m <= 32 else 128
+    return bn, bk, 4 if block_m <= 64 else 8, 4 if block_m <= 32 else 3
+
+
+def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
+                   backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [P, N]`` (x's dtype): sorted pair p's activation row times its expert's NVFP4 weight (+ bias),
+    W4A4 where ``weight.input_amax`` is set. ``gather``: x is ``[T, K]`` and pair p reads row
+    ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). One launch; rows of pairs
+    routed to no expert are left unwritten (``out`` as given, else uninitialized).
+    ``backend``: "auto" (Triton on CUDA / under the interpreter, else the reference), "reference",
+    "triton"."""
+    from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    reason = triton_unavailable_reason(x, op="grouped_linear")
+    if backend == "triton" and reason is not None:
+        raise BackendUnavailable(f"backend='triton' cannot run grouped_linear: {reason}")
+    if backend == "reference" or reason is not None:
+        return grouped_linear_reference(x, routing, weight, gather)
+    weight.check()
+    e, n, k = weight.num_experts, weight.out_features, weight.in_features
+    rows = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise nvfp4.NVFP4Error(f"grouped_linear: x must be [rows, {k}], got shape {tuple(x.shape)}")
+    if not gather and rows != routing.pairs:
+        raise nvfp4.NVFP4Error(f"grouped_linear: x in sorted order needs {routing.pairs} rows, got {rows}")
+    if routing.offsets.numel() != e + 1:
+        raise nvfp4.NVFP4Error(f"grouped_linear: the routing is over {routing.offsets.numel() - 1} experts, "
+                               f"the weight has {e}")
+    if k % BLOCK_SIZE:
+        raise nvfp4.NVFP4Error(f"grouped_linear: K = {k} is not a multiple of {BLOCK_SIZE}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
+    if routing.pairs == 0 or n == 0:
+        return y
+    packed = weight.packed if weight.packed.is_contiguous() else weight.packed.contiguous()
+    scale = weight.scale if weight.scale.is_contiguous() else weight.scale.contiguous()
+    words = packed.view(torch.int32) if packed.data_ptr() % 4 == 0 and (k // 2) % 4 == 0 else None
+    if words is None:
+        raise nvfp4.NVFP4Error(f"grouped_linear: the packed weight must be 4-byte aligned with K % 8 == 0 (K = {k})")
+    a4 = weight.input_enc is not None
+    bias = weight.bias.contiguous() if weight.bias is not None else None
+    bm = routing.block_m
+    bn, bk, warps, stages = kernel_config(bm, n, k)
+    grid = (routing.tile_expert.numel(), cdiv(n, bn))
+    enc = weight.enc
+    _grouped_kernel[grid](
+        x, routing.token, routing.tile_expert, routing.tile_row, routing.offsets,
+        words, scale.view(torch.uint8), enc, weight.input_enc if a4 else enc, bias if bias is not None else enc, y,
+        n, k, x.stride(0), y.stride(0),
+        GATHER=gather, HAS_BIAS=bias is not None, A4=a4, FOUR_SIX=FOUR_SIX_CODES[weight.four_six] if a4 else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=not a4,  # W4A4: the quantizer's roundings as written
+    )
+    return y
+
+
+def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: StackedWeight,
+        w2: StackedWeight, gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+        backend: str = "auto", block_m: Optional[int] = None) -> torch.Tensor:
+    """A MoE layer's experts: ``sum_slots top_k_weights[t, s] * down_e(gate(g, u))`` with ``[g | u] =
+    w13_e(hidden[t])``, e = ``top_k_index[t, s]`` (slots routed outside ``[0, E)`` add nothing).
+    ``gate(g, u)`` is the layer's gating (``act(g) * u``). Two grouped launches plus the gating and
+    the weighted sum of each token's k rows (fp32, in slot order: deterministic)."""
+    tokens, k = top_k_index.shape
+    if hidden.dim() != 2 or hidden.shape[0] != tokens or top_k_weights.shape != top_k_index.shape:
+        raise nvfp4.NVFP4Error(f"moe: hidden [T, H], top_k_index and top_k_weights [T, k] expected; got "
+                               f"{tuple(hidden.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+    if w13.out_features % 2 or w2.in_features != w13.out_features // 2:
+        raise nvfp4.NVFP4Error(f"moe: w13 [{w13.out_features}, ...] must be gate over up rows feeding "
+                               f"w2's {w2.in_features} inputs")
+    r = route(top_k_index, w13.num_experts, block_m)
+    gate_up = grouped_linear(hidden, r, w13, gather=True, backend=backend)
+    inter = w13.out_features // 2
+    act = gate(gate_up[:, :inter], gate_up[:, inter:])
+    y = grouped_linear(act.to(hidden.dtype).contiguous(), r, w2, gather=False, backend=backend)
+    # back to (token, slot) order; pairs of no expert contribute 0 (their rows were never written)
+    w = top_k_weights.reshape(-1)[r.order].float()
+    contrib = torch.where(r.valid[:, None], y.float() * w[:, None], 0.0)
+    per_pair = torch.empty_like(contrib).index_copy_(0, r.order, contrib)
+    return per_pair.view(tokens, k, -1).sum(1).to(hidden.dtype)
+
+
+__all__ = ["Routing", "StackedWeight", "block_m_for", "grouped_linear", "grouped_linear_reference", "kernel_config",
+           "moe", "route", "stack_weights"]

@@ -1,0 +1,334 @@
+"""The grouped NVFP4 MoE GEMM (fp4ptq/kernels/grouped.py) against the loop over experts (nvfp4.py).
+
+The kernel checks run under ``TRITON_INTERPRET=1`` in a fresh process (as tests/test_kernels.py does:
+Triton decides at import whether it interprets), started by ``test_grouped_under_triton_interpreter``;
+the routing, the reference, the LinearExperts hook's stacking and the sm_90 / sm_80 builds run here.
+Shapes are tiny and odd: 5 or 3 experts, some with no token, one token, masked slots, K not a multiple
+of the K tile. Run directly: ``TRITON_INTERPRET=1 pytest tests/test_grouped.py``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp4ptq import nvfp4
+from fp4ptq.experts import ExpertMLP, LinearExperts
+from fp4ptq.modules import NVFP4Linear
+
+pytest.importorskip("triton")
+
+from fp4ptq.kernels import grouped as G
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+TOLERANCE = 1e-2  # the dense kernels' (tests/test_kernels.py: relative Frobenius error against the reference)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the driver of the interpreted run")
+def test_grouped_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+
+
+def _rel(y, ref):
+    assert torch.isfinite(y).all(), "output has unwritten or non-finite elements"
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _weights(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [nvfp4.quantize(torch.randn(n, k, generator=g) * 0.05) for _ in range(e)]
+
+
+def _x(t, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g) * torch.rand(t, k, generator=g).pow(3) * 3
+    x[0, :16] = 0.0        # an all-zero block
+    if k >= 32:
+        x[-1, 16:32] *= 1e-7  # a block whose scale rounds to zero
+    return x.to(dtype)
+
+
+# 5 experts, 7 tokens, top-2: expert 1 and 3 get nothing, a masked slot (the sentinel 5 = E, as transformers'
+# expert-parallel masking), a token routed twice to one expert
+INDEX_5 = torch.tensor([[0, 2], [2, 4], [4, 0], [0, 2], [2, 2], [4, 5], [0, 4]])
+
+
+def test_route_sorts_pairs_and_tiles_only_active_experts():
+    r = G.route(INDEX_5, 5, block_m=2)
+    assert r.offsets.tolist() == [0, 4, 4, 9, 9, 13]
+    flat = INDEX_5.reshape(-1)
+    assert flat[r.order].tolist() == [0] * 4 + [2] * 5 + [4] * 4 + [5]
+    assert r.token.tolist() == (r.order // 2).tolist() and r.valid.tolist() == [True] * 13 + [False]
+    used = r.tile_expert >= 0
+    assert r.tile_expert[used].tolist() == [0, 0, 2, 2, 2, 4, 4]           # experts 1 and 3: no tile
+    assert r.tile_row[used].tolist() == [0, 2, 4, 6, 8, 9, 11]
+    assert r.tile_expert.numel() == 7 + 5                                   # the host-side upper bound
+    single = G.route(torch.tensor([[3]]), 5)
+    assert single.block_m == 16 and (single.tile_expert >= 0).sum() == 1 and single.offsets.tolist()[3:5] == [0, 1]
+
+
+def test_reference_is_the_loop_over_experts():
+    ws = _weights(5, 24, 48, seed=1)
+    sw = G.stack_weights(ws)
+    x = _x(7, 48, seed=2)
+    r = G.route(INDEX_5, 5)
+    y = G.grouped_linear(x, r, sw, backend="reference")
+    for p in range(r.pairs):
+        t, e = int(r.order[p]) // 2, int(INDEX_5.reshape(-1)[r.order[p]])
+        want = torch.zeros(24, dtype=x.dtype) if e >= 5 else torch.nn.functional.linear(
+            x[t:t + 1], ws[e].dequantize(x.dtype))[0]
+        assert torch.equal(y[p], want), p
+
+
+def _stub_gating():
+    class Gating:  # stands in for a transformers experts module's _apply_gate (concatenated SwiGLU)
+        @staticmethod
+        def _apply_gate(gate_up):
+            g, u = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(g) * u
+    return Gating()
+
+
+def _quantized_experts(e, hidden, inter, scheme="w4a16", four_six=None, seed=0, bias=False):
+    """A LinearExperts of NVFP4Linear experts, gate and up of each sharing one global scale."""
+    g = torch.Generator().manual_seed(seed)
+    experts = []
+    for i in range(e):
+        mlp = ExpertMLP(("gate_proj", "up_proj", "down_proj"), hidden, inter, bias=False, dtype=torch.float32)
+        ws = [torch.randn(inter, hidden, generator=g) * 0.05, torch.randn(inter, hidden, generator=g) * 0.05,
+              torch.randn(hidden, inter, generator=g) * 0.05]
+        shared = max(float(ws[0].abs().max()), float(ws[1].abs().max()))
+        amaxes = (shared, shared, None)
+        for name, w, amax in zip(mlp.names, ws, amaxes):
+            b = torch.randn(w.shape[0], generator=g) * 0.1 if bias else None
+            q = nvfp4.quantize(w, amax=amax)
+            lin = NVFP4Linear.from_quantized(q, b, scheme=scheme, act_four_six=four_six, dtype=torch.bfloat16,
+                                             input_amax=(2.5 + i if name != "down_proj" else 0.7) if scheme == "w4a4"
+                                             else None)
+            setattr(mlp, name, lin)
+        experts.append(mlp)
+    return LinearExperts(experts, _stub_gating(), True, e)
+
+
+def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
+    """The hook's stacking (CPU here; on CUDA forward takes it): codes and scales become views of the
+    stacks (state_dict unchanged), built again when one expert's buffer is replaced, dropped by .to();
+    an expert with its own gate and up global scales, and experts not quantized, are not grouped."""
+    layer = _quantized_experts(3, 32, 16)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    _, w13, w2 = layer._stacked_weights(torch.device("cpu"))
+    assert w13.packed.shape == (3, 32, 16) and w2.packed.shape == (3, 32, 8) and w13.input_amax is None
+    gate = layer[1].gate_proj
+    assert gate.weight_packed.data_ptr() == w13.packed[1].data_ptr()
+    assert layer[1].up_proj.weight_packed.data_ptr() == w13.packed[1, 16:].data_ptr()
+    after = layer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k].view(torch.uint8) if before[k].dtype
+                                                  == torch.float8_e4m3fn else before[k], after[k].view(torch.uint8)
+                                                  if after[k].dtype == torch.float8_e4m3fn else after[k])
+                                                  for k in before)
+    assert layer._stacked_weights(torch.device("cpu"))[1] is w13          # cached
+    layer[2].down_proj.weight_packed = layer[2].down_proj.weight_packed.clone()  # one expert's buffer replaced
+    assert not layer._still_held(layer._stacked[0])
+    _, w13_again, _ = layer._stacked_weights(torch.device("cpu"))
+    assert w13_again is not w13 and layer[2].down_proj.weight_packed.data_ptr() == layer._stacked[2].packed[2].data_ptr()
+    layer.to(torch.float32)
+    assert layer._stacked is None
+    odd = _quantized_experts(3, 32, 16, seed=4)
+    with torch.no_grad():
+        odd[2].up_proj.weight_global_scale.mul_(2)
+    assert odd._stacked_weights(torch.device("cpu")) is None
+    assert odd.grouped_forward(_x(2, 32, 0), torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2)) is None
+    plain = LinearExperts([ExpertMLP(("w1", "w3", "w2"), 32, 16, False) for _ in range(3)], _stub_gating(), True, 3)
+    assert plain._stacked_weights(torch.device("cpu")) is None and plain._stacked is None  # not quantized
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
+@pytest.mark.parametrize("arch,a4,four_six,bm", [(90, False, 0, 16), (90, False, 0, 128), (80, False, 0, 128),
+                                                 (90, True, 1, 64), (80, True, 1, 16)])
+def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
+    """No GPU here: the kernel's builds (W4A16; W4A4 with Four Over Six, whose build holds the standard
+    quantizer too; bf16; the decode, a mid and the prefill tile) compile for sm_90 and sm_80: tensor-core
+    MMAs on the decoded weight (wgmma from the 64-row tile on sm_90, mma.sync otherwise), shared memory
+    within sm_80-89's 99 KB, and W4A4 built without FMA contraction (its quantizer's roundings must stay
+    those of nvfp4.py)."""
+    import re
+
+    from compile_target import compile_for
+
+    types = {"x_ptr": "*bf16", "token_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
+             "offsets_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
+             "bias_ptr": "*fp32", "y_ptr": "*bf16"}
+    bn, bk, warps, stages = G.kernel_config(bm, 1536, 2048)
+    consts = {"GATHER": True, "HAS_BIAS": False, "A4": a4, "FOUR_SIX": four_six, "BLOCK_M": bm, "BLOCK_N": bn,
+              "BLOCK_K": bk, "EVEN_K": True, "DOT_FP32": False}
+    built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages,
+                        enable_fp_fusion=not a4)
+    ptx = built.asm["ptx"]
+    mma = set(re.findall(r"wgmma\.mma_async|mma\.sync", ptx))
+    assert mma == ({"wgmma.mma_async"} if arch == 90 and bm >= 64 else {"mma.sync"}), (arch, bm, mma)
+    assert built.metadata.shared <= 99 * 1024, (arch, bm, built.metadata.shared)
+    if a4:
+        assert "fma.rn.f32" not in ptx
+
+
+@interpreted
+@pytest.mark.parametrize("a4,four_six", [(False, None), (True, None), (True, "mse")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_linear_matches_reference(a4, four_six, dtype):
+    """5 experts (two without a token), a masked slot, K = 80 (not a multiple of the K tile): the kernel
+    against the loop over experts (bias included), within the dense kernels' tolerance, and elementwise
+    within one output ulp of the exact fp32 products of the same operands (fake-quantized activations
+    for W4A4, Four Over Six included); rows of no expert are not written."""
+    e, n, k = 5, 40, 80
+    ws = _weights(e, n, k, seed=3)
+    bias = torch.randn(e, n, generator=torch.Generator().manual_seed(4)).to(dtype) * 0.1
+    amax = [torch.tensor(2.0 + i) for i in range(e)] if a4 else None
+    sw = G.stack_weights(ws, list(bias), amax, four_six)
+    x = _x(7, k, seed=5, dtype=dtype)
+    r = G.route(INDEX_5, e)
+    out = torch.full((r.pairs, n), float("nan"), dtype=dtype)
+    y = G.grouped_linear(x, r, sw, backend="triton", out=out)
+    ref = G.grouped_linear_reference(x, r, sw)
+    v = r.valid
+    assert torch.isnan(y[~v]).all()
+    assert _rel(y[v], ref[v]) < TOLERANCE
+    exact = torch.empty(r.pairs, n)
+    for p in range(r.pairs):
+        ex = int(INDEX_5.reshape(-1)[r.order[p]])
+        if ex >= e:
+            continue
+        xr = x[int(r.token[p])].float()[None]
+        if a4:
+            xr = nvfp4.fake_quantize(xr, four_six, amax=amax[ex])
+        exact[p] = xr[0] @ ws[ex].dequantize(torch.float32).T + bias[ex].float()
+    # every element within one unit in the last place of the output dtype (the interpreter's casts truncate)
+    ulp = torch.finfo(dtype).eps
+    assert ((y[v].float() - exact[v]).abs() <= exact[v].abs() * ulp * 1.01 + 1e-6).all()
+
+
+@interpreted
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_grouped_linear_sorted_rows_single_token_and_many_rows_a_tile(block_m):
+    """The down projection's form (x in sorted order, no gather) with 3 experts: one token (one row in
+    one tile), and 20 tokens top-3 (several tiles an expert, a partial last tile)."""
+    e, n, k = 3, 24, 64
+    sw = G.stack_weights(_weights(e, n, k, seed=6))
+    for idx in (torch.tensor([[1]]), torch.randint(0, e, (20, 3), generator=torch.Generator().manual_seed(7))):
+        r = G.route(idx, e, block_m=block_m)
+        x = _x(r.pairs, k, seed=8)
+        y = G.grouped_linear(x, r, sw, gather=False, backend="triton")
+        assert _rel(y, G.grouped_linear_reference(x, r, sw, gather=False)) < TOLERANCE
+
+
+@interpreted
+@pytest.mark.parametrize("four_six", [None, "mse", "mae", "max"])
+def test_activation_quantize_inside_the_kernel_is_bit_exact(four_six):
+    """The W4A4 operand the kernel builds (``quantized_activation_tile``) is ``sign * v * block scale``
+    of nvfp4.quantize's codes and scales bit for bit (heavy-tailed rows, a zero and a tiny block)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(x_ptr, enc_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr):
+        rows = tl.arange(0, BM)
+        ok = rows < M
+        enc = tl.load(enc_ptr)
+        for k0 in range(0, K, BK):
+            v = G.quantized_activation_tile(x_ptr, rows.to(tl.int64), ok, K, k0, K, enc, BK, FOUR_SIX)
+            cols = k0 + tl.arange(0, BK)
+            tl.store(out_ptr + rows[:, None] * K + cols[None, :], v, mask=ok[:, None] & (cols < K)[None, :])
+
+    m, k = 6, 96
+    x = _x(m, k, seed=9)
+    amax = torch.tensor(3.0)
+    q = nvfp4.quantize(x, four_six, amax=amax)
+    want = nvfp4.e2m1_decode(q.codes()).view(m, -1, 16) * q.block_scale.float()[..., None]
+    enc = nvfp4.global_encode_scale(amax, four_six is not None).reshape(1)
+    assert torch.equal(enc.reshape(()), q.global_enc)
+    out = torch.full((m, k), float("nan"))
+    probe[(1,)](x, enc, out, m, k, BM=8, BK=64, FOUR_SIX=G.FOUR_SIX_CODES[four_six])
+    assert torch.equal(out.view(torch.int32), want.reshape(m, k).view(torch.int32))
+
+
+@interpreted
+@pytest.mark.parametrize("scheme,four_six", [("w4a16", None), ("w4a4", "mse")])
+def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
+    """LinearExperts (3 experts, top-2, biases, one expert without a token) through the hook's grouped
+    path against its own loop over NVFP4Linear experts; a single token too."""
+    layer = _quantized_experts(3, 32, 16, scheme, four_six, seed=10, bias=True)
+    g = torch.Generator().manual_seed(11)
+    hidden = _x(5, 32, seed=12)
+    idx = torch.tensor([[0, 2], [2, 0], [0, 0], [2, 3], [2, 2]])  # 3: a masked slot
+    weights = torch.rand(5, 2, generator=g).bfloat16()
+    for h, i, w in ((hidden, idx, weights), (hidden[:1], idx[:1, :1], weights[:1, :1])):
+        loop = layer(h, i, w)
+        grouped = layer.grouped_forward(h, i, w)
+        assert grouped is not None and grouped.dtype == loop.dtype
+        assert _rel(grouped, loop) < TOLERANCE
+
+
+@pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
+def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
+    """benchmarks/bench_moe_h200.py without a GPU: its argument checks, and the markdown table, the goal
+    verdicts and the figure it writes from a results file (fake timings); its bf16 peer (torch's grouped
+    GEMM or the loop of matmuls, around the same sort) equals the fp32 layer on the CPU."""
+    import json
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_moe_h200 as B
+    finally:
+        sys.path.remove(str(bench))
+    args = B.parse(["--layers", "mixtral", "--tokens", "1,4096"])
+    assert args.layers == ["mixtral"] and args.tokens == [1, 4096] and args.rounds == 3
+    for bad in (["--layers", "llama"], ["--tokens", "1,x"], ["--tokens", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            B.parse(bad)
+        assert exc.value.code == 2
+    rows = []
+    for layer, (e, k, h, f) in B.LAYERS.items():
+        for tokens, speed in ((1, 3.0), (16, 2.4), (4096, 0.95)):
+            row = {"layer": layer, "experts": e, "top_k": k, "hidden": h, "ffn": f, "tokens": tokens,
+                   "active_experts": min(e, tokens * k), "bf16_impl": "grouped_mm", "bf16_us": 100.0}
+            for s in B.SCHEMES:
+                row.update({f"{s}_us": 100.0 / speed, f"{s}_x_bf16": speed, f"{s}_rel_err": 2e-3})
+            rows.append(row)
+    rows[-1]["w4a4_46_us"] = "RuntimeError('x')"
+    del rows[-1]["w4a4_46_x_bf16"]
+    path = tmp_path / "moe_h200.json"
+    path.write_text(json.dumps({"env": {"gpu": "fake"}, "rounds": 3, "rows": rows}))
+    assert B.main(["--report", str(path)]) == 0
+    md = (tmp_path / "moe_h200.md").read_text()
+    assert "| Mixtral-8x7B | 4096 | 8/8 | 100.0 | grouped_mm | 105.3 | 0.95x |" in md
+    assert "| failed | - |" in md
+    assert "| Qwen3-30B-A3B: decode (<= 16 tokens) >= 2.5x bf16 | 2.40x (worst) | not met |" in md
+    assert "| Mixtral-8x7B: 4096 tokens >= 0.9x bf16 | 0.95x | met |" in md
+    assert (tmp_path / "moe_h200.png").read_bytes()[:4] == b"\x89PNG"
+    assert md in capsys.readouterr().out
+    (tmp_path / "other.json").write_text(json.dumps({"table": []}))
+    with pytest.raises(SystemExit, match="other.json is not a bench_moe_h200.py results file"):
+        B.main(["--report", str(tmp_path / "other.json")])
+    with pytest.raises(SystemExit, match="cannot read"):
+        B.main(["--report", str(tmp_path / "missing.json")])
+
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(6, 32, 32, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(6, 32, 16, generator=g) * 0.1).bfloat16()
+    index, weights = B._routing(5, 6, 2, "cpu", g)
+    x = torch.randn(5, 32, generator=g).bfloat16()
+
+    def gate(a, b):
+        return torch.nn.functional.silu(a) * b
+    impl, make = B._bf16_layer(w13, w2, gate)
+    exact = B._fp32_layer(x, index, weights, w13, w2, gate)
+    for name in {impl, "loop"}:
+        assert _rel(make(x, index, weights, name)(), exact) < 1e-2
