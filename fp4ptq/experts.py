@@ -88,7 +88,9 @@ class LinearExperts(nn.ModuleList):
         with torch.no_grad():
             # [E, k, T]: which (slot, token) pairs route to each expert; indices outside
             # [0, E) (transformers' masking of dropped slots) select nothing.
-            hits = torch.nn.functional.one_hot(top_k_index.clamp(0, self.num_experts), self.num_experts + 1)
+            dropped = (top_k_index < 0) | (top_k_index >= self.num_experts)
+            index = top_k_index.masked_fill(dropped, self.num_experts)
+            hits = torch.nn.functional.one_hot(index, self.num_experts + 1)
             hits = hits.permute(2, 1, 0)[: self.num_experts]
             active = hits.flatten(1).any(1).nonzero().flatten().tolist()
         experts = range(self.num_experts) if self.calibrate_all else active
