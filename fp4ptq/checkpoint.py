@@ -73,7 +73,7 @@ import xxhash
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import nvfp4
+from . import nvfp4, rotation
 from .atomic import (  # noqa: F401 - re-exported: fp4ptq.checkpoint is the checkpoint API
     _write_json,
     atomic_directory,
@@ -178,7 +178,7 @@ def compressed_tensors_config(model: nn.Module) -> dict:
             "output_activations": None,
             "format": CT_FORMAT,
         }
-    return {
+    config = {
         "quant_method": CT_QUANT_METHOD,
         "format": CT_FORMAT,
         "quantization_status": "compressed",
@@ -188,6 +188,10 @@ def compressed_tensors_config(model: nn.Module) -> dict:
         "global_compression_ratio": None,
         "moe_sparsity_config": None,
     }
+    transforms = rotation.transform_config(model)  # issue 43: online rotations, compressed-tensors' keys
+    if transforms is not None:
+        config["transform_config"] = transforms
+    return config
 
 
 def modelopt_config(model: nn.Module) -> dict:
@@ -568,6 +572,9 @@ def save(
     dtype = dtype or stored_dtype(model, layers)
     state = _stored_dtypes(_state_dict(model), layers, dtype)
     report = _strip_timings(_base_report(model, layers))
+    if format == "modelopt" and rotation.transform_config(model) is not None:
+        raise CheckpointError("the model has online rotations (issue 43), which ModelOpt's layout cannot record; "
+                              "save with format='compressed-tensors'")
     if format == "modelopt":
         quantization_config = {"quant_method": "modelopt", **modelopt_config(model)["quantization"]}
         tensors = _modelopt_state_dict(state, layers)
@@ -776,6 +783,14 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
     return model
 
 
+def attach_transforms(model: nn.Module, qcfg: dict, where: str) -> None:
+    """Online rotations of a ``transform_config`` (issue 43), as empty modules their weights load into."""
+    try:
+        rotation.attach_from_config(model, (qcfg or {}).get("transform_config"), where)
+    except rotation.RotationError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
 def _checked_skeleton(path: Path, dtype: Optional[torch.dtype]) -> tuple:
     """``(model skeleton with NVFP4Linear swapped in, headers as in the files, {file tensor name:
     module tensor name} where they differ, report)`` after every check that needs no tensor data:
@@ -796,6 +811,7 @@ def _checked_skeleton(path: Path, dtype: Optional[torch.dtype]) -> tuple:
     from_file = {} if headers is file_headers else {f: m for m, f in zip(headers, file_headers) if f != m}
     plan = plan_layers(model, qcfg, headers, act_four_six, where)
     swap_in_nvfp4(model, plan, dtype)
+    attach_transforms(model, qcfg, where)
     check_tensors(model, headers, where)
     return model, file_headers, from_file, report
 

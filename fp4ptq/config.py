@@ -19,6 +19,8 @@ SCHEMES = ("w4a16", "w4a4")
 HUB_CALIB_SOURCES = ("wikitext2", "c4", "pile")
 GPTQ_SCALE_CHOICES = ("loop", "once")
 MOE_CALIB = ("all", "routed")
+ROTATION_BLOCKS = (16, 32, 64, 128)
+KEEP_UNITS = ("linear", "block")
 
 
 class ConfigError(ValueError):
@@ -63,6 +65,21 @@ class QuantConfig:
     Mixture-of-Experts: moe_calib ("all": every expert computes its statistics
     and Hessians on every calibration token, while the block's output follows
     the real routing; "routed": each expert only on the tokens routed to it).
+
+    Past the published recipes (issue 43; fp4ptq/rotation.py, sensitivity.py,
+    methods/scale_search.py):
+    rotate:      None or a block-Hadamard rotation block (16, 32, 64, 128), folded into
+                 the weights where exact and online at the inputs of ``rotate_online``
+                 (names relative to a decoder block, globs allowed).
+    rotate_random: random signs in the Hadamard blocks (from ``seed``).
+    weight_scale_search: each weight's (fused group's) global scale chosen by the whole
+                 tensor's reconstruction error over ``WEIGHT_SCALE_SWEEP`` x its amax (4/6 inside).
+    input_scale_search: W4A4's static input global scale chosen by the layer-output error
+                 on calibration data over ``INPUT_SCALE_SWEEP`` x the calibrated amax.
+    keep_budget: None, "PCT%" (extra bytes at most PCT% of what keeping every quantizable
+                 linear in bf16 would add) or "N" (a count): the parts (``keep_unit``
+                 "linear" or "block") whose quantization raises the KL divergence to the
+                 float model most, measured on ``keep_nsamples`` calibration sequences, stay bf16.
     """
 
     method: str = "rtn"
@@ -83,10 +100,18 @@ class QuantConfig:
     smoothquant_alphas: tuple = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     search_nsamples: int = 16
     moe_calib: str = "all"
+    rotate: Optional[int] = None
+    rotate_random: bool = True
+    rotate_online: tuple = ("mlp.down_proj",)
+    weight_scale_search: bool = False
+    input_scale_search: bool = False
+    keep_budget: Optional[str] = None
+    keep_unit: str = "linear"
+    keep_nsamples: int = 2
 
     def __post_init__(self) -> None:
         # Lists (e.g. from JSON) become tuples so the frozen config stays hashable.
-        for name in ("ignore", "smoothquant_alphas"):
+        for name in ("ignore", "smoothquant_alphas", "rotate_online"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise ConfigError(f"QuantConfig.{name} must be a sequence, got the string {value!r}")
@@ -107,7 +132,7 @@ class QuantConfig:
                     raise ConfigError(f"QuantConfig.ignore: bad regex {p!r}: {exc}") from exc
         if not isinstance(self.calib, str) or not self.calib:
             raise ConfigError(f"QuantConfig.calib must be a source name or a path, got {self.calib!r}")
-        for name in ("nsamples", "seqlen", "awq_grid", "search_nsamples"):
+        for name in ("nsamples", "seqlen", "awq_grid", "search_nsamples", "keep_nsamples"):
             _positive_int(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"QuantConfig.seed must be an int, got {self.seed!r}")
@@ -119,12 +144,30 @@ class QuantConfig:
             )
         if not (isinstance(self.gptq_damp, (int, float)) and 0 < self.gptq_damp < 1):
             raise ConfigError(f"QuantConfig.gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
-        for name in ("gptq_act_order", "awq_clip"):
+        for name in ("gptq_act_order", "awq_clip", "rotate_random", "weight_scale_search", "input_scale_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"QuantConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_accuracy_options()
         alphas = self.smoothquant_alphas if self.smoothquant_alpha is None else (self.smoothquant_alpha,)
         if not alphas or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in alphas):
             raise ConfigError(f"SmoothQuant alpha(s) must be in [0, 1], got {alphas!r}")
+
+    def _check_accuracy_options(self) -> None:
+        """Issue 43's options: rotation, scale searches, keep budget."""
+        if self.rotate is not None and self.rotate not in ROTATION_BLOCKS:
+            raise ConfigError(f"QuantConfig.rotate={self.rotate!r} must be None or one of {ROTATION_BLOCKS}")
+        if not all(isinstance(p, str) and p for p in self.rotate_online):
+            raise ConfigError(f"QuantConfig.rotate_online must hold non-empty strings, got {self.rotate_online!r}")
+        if self.input_scale_search and self.scheme != "w4a4":
+            raise ConfigError("QuantConfig.input_scale_search needs scheme='w4a4' (W4A16 has no input scale)")
+        _choice("keep_unit", self.keep_unit, KEEP_UNITS)
+        if self.keep_budget is not None:
+            parse_keep_budget(self.keep_budget)
+
+    @property
+    def needs_samples(self) -> bool:
+        """Whether the statistics keep calibration sequences (AWQ/SmoothQuant, input-scale search)."""
+        return self.transform is not None or self.input_scale_search
 
     # ------------------------------------------------------------------ #
     @property
@@ -141,7 +184,7 @@ class QuantConfig:
     @property
     def needs_calibration(self) -> bool:
         """Whether quantizing needs calibration data (any method but RTN, or W4A4)."""
-        return self.method != "rtn" or self.scheme == "w4a4"
+        return self.method != "rtn" or self.scheme == "w4a4" or self.keep_budget is not None
 
     def is_ignored(self, name: str) -> bool:
         """Whether the module called ``name`` matches one of ``ignore``."""
@@ -168,6 +211,21 @@ class QuantConfig:
         return cls(**dict(data))
 
 
+def parse_keep_budget(value: str) -> tuple:
+    """``("pct", float)`` for "PCT%" (0 < PCT <= 100), ``("count", int)`` for "N" (N >= 0)."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    try:
+        if text and text.endswith("%"):
+            pct = float(text[:-1])
+            if 0 < pct <= 100:
+                return "pct", pct
+        elif text is not None and int(text) >= 0:
+            return "count", int(text)
+    except ValueError:
+        pass
+    raise ConfigError(f"QuantConfig.keep_budget={value!r} must be 'PCT%' (0 < PCT <= 100) or a count like '3'")
+
+
 def _choice(name: str, value: Any, allowed: tuple, extra: str = "") -> None:
     if value not in allowed:
         raise ConfigError(f"QuantConfig.{name}={value!r} is not valid; choose one of {allowed}{extra}")
@@ -178,4 +236,4 @@ def _positive_int(name: str, value: Any) -> None:
         raise ConfigError(f"QuantConfig.{name} must be a positive int, got {value!r}")
 
 
-__all__ = ["ConfigError", "GPTQ_SCALE_CHOICES", "HUB_CALIB_SOURCES", "METHODS", "QuantConfig", "SCHEMES"]
+__all__ = ["ConfigError", "GPTQ_SCALE_CHOICES", "KEEP_UNITS", "ROTATION_BLOCKS", "parse_keep_budget", "HUB_CALIB_SOURCES", "METHODS", "QuantConfig", "SCHEMES"]

@@ -96,6 +96,7 @@ class FP4PTQHfQuantizer(HfQuantizer):
         headers, qcfg = checkpoint.module_names(model, headers, qcfg)
         plan = checkpoint.plan_layers(model, qcfg, headers, act_four_six, where)
         checkpoint.swap_in_nvfp4(model, plan, dtype or model.dtype)
+        checkpoint.attach_transforms(model, qcfg, where)   # online rotations (issue 43)
         checkpoint.check_tensors(model, headers, where)
         self._report = checkpoint.read_report(directory)
         return model

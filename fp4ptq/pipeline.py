@@ -30,14 +30,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
-from . import __version__, distributed
-from .config import QuantConfig
+from . import __version__, distributed, rotation, sensitivity
+from .config import ConfigError, QuantConfig
 from .models import InputGroup, set_module
 from .moe import _down, _quantize_expert_list, _quantize_experts
 from .solve import (  # noqa: F401 - re-exported: fp4ptq.pipeline is where users find the block runner's parts
@@ -301,6 +301,21 @@ def quantize(
         torch.cuda.reset_peak_memory_stats(device)
     use_data = calib is not None and config.needs_calibration
 
+    # Issue 43: rotations (the float model's function unchanged), then the parts kept in bf16 by measurement.
+    rotation_info = keep_info = None
+    config_record = config
+    if config.rotate is not None or config.keep_budget is not None:
+        if spec is None or layers_path != spec.layers:
+            raise ConfigError(f"QuantConfig.rotate / keep_budget need an architecture table in fp4ptq/models.py "
+                              f"(Llama family) for now; model_type={getattr(model.config, 'model_type', None)!r} has none")
+    if config.rotate is not None:
+        plan = rotation.plan_from_spec(model, spec, config.rotate_online)
+        rotation_info = rotation.rotate_model(model, plan, config.rotate,
+                                              seed=config.seed if config.rotate_random else None, head=spec.head)
+    if config.keep_budget is not None:
+        keep_info = sensitivity.choose(model, _keep_candidates(model, spec, blocks, config), calib, config, progress)
+        config = replace(config, ignore=config.ignore + tuple(keep_info["kept"]))
+
     # Block inputs: the calibration data's, or (no data needed) a short synthetic
     # sequence that only shows discovery each block's structure.
     world = distributed.world()
@@ -344,9 +359,12 @@ def quantize(
         if type(module) is nn.Linear and name not in high and not name.startswith(layers_path + "."):
             high[name] = "outside the decoder blocks and not the LM head"
 
+    if keep_info is not None:
+        for name in keep_info["kept"]:
+            high[name] = f"kept in bf16 by keep_budget {config_record.keep_budget} (KL increase measured)"
     model.fp4ptq_info = {
         "fp4ptq_version": __version__,
-        "config": config.to_dict(),
+        "config": config_record.to_dict(),
         "calibration": calibration,
         "layers": layers,
         "high_precision": high,
@@ -357,7 +375,36 @@ def quantize(
         "peak_memory": _peak_memory(device, world, len(inputs.hidden) if inputs else 0),
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
+    if rotation_info is not None:
+        model.fp4ptq_info["rotation"] = rotation_info
+    if keep_info is not None:
+        model.fp4ptq_info["keep"] = keep_info
     return model
+
+
+def _keep_candidates(model: nn.Module, spec, blocks: nn.ModuleList, config: QuantConfig) -> dict:
+    """The parts ``keep_budget`` chooses among: ``{part name: [(linear name, module), ...]}`` over the
+    linears the run would quantize (from the architecture table). A fused group (q/k/v, gate/up) is one
+    part: engines fuse it into one GEMM of one format, so it is kept or quantized whole; with
+    ``keep_unit="block"`` a part is a block."""
+    from .nvfp4 import BLOCK_SIZE
+
+    out = {}
+    for index, block in enumerate(blocks):
+        prefix = f"{spec.layers}.{index}"
+        for group in spec.groups:
+            members = [(_join(prefix, n), block.get_submodule(n))
+                       for n in _split_quantizable(block, group, config, prefix, {})]
+            if config.keep_unit == "block":
+                out.setdefault(prefix, []).extend(members)
+            elif group.fused and len(members) > 1:
+                out[f"{prefix}.{{{', '.join(n[len(prefix) + 1:] for n, _ in members)}}}"] = members
+            else:
+                out.update({n: [(n, m)] for n, m in members})
+    head = dict(model.named_modules()).get(spec.head)
+    if isinstance(head, nn.Linear) and not config.is_ignored(spec.head) and head.in_features % BLOCK_SIZE == 0:
+        out[spec.head] = [(spec.head, head)]
+    return out
 
 
 def capture_sharded(model: nn.Module, blocks: nn.ModuleList, calib: torch.LongTensor,
@@ -414,7 +461,7 @@ def quantize_block(
     calls: dict = {}
     if inputs is not None:
         call = _to_device(inputs.calls[index], device)
-        keep = config.search_nsamples if config.transform else 0
+        keep = config.search_nsamples if config.needs_samples else 0
         handles = []
         try:
             stats_list = []

@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import distributed, nvfp4
+from . import distributed, nvfp4, rotation
 from .config import QuantConfig
-from .methods import awq, smoothing, smoothquant
+from .methods import awq, scale_search, smoothing, smoothquant
 from .methods.gptq import gptq
 from .methods.rtn import rtn
 from .models import InputGroup, set_module
@@ -22,6 +22,8 @@ from .stats import InputStats, _batches, _first, _join
 
 # Tokens the AWQ clipping search measures its per-block output error on.
 CLIP_TOKENS = 512
+# Tokens the W4A4 input-scale search measures each set's output error on (issue 43).
+INPUT_SEARCH_TOKENS = 2048
 
 
 @dataclass
@@ -189,10 +191,10 @@ def _rows(q: NVFP4Tensor, start: int, stop: int) -> NVFP4Tensor:
     )
 
 
-def _clip_tokens(samples: list) -> torch.Tensor:
-    """Up to CLIP_TOKENS tokens ``[t, in]`` evenly spread over the search samples."""
+def _clip_tokens(samples: list, count: int = CLIP_TOKENS) -> torch.Tensor:
+    """Up to ``count`` tokens ``[t, in]`` evenly spread over the search samples."""
     x = torch.cat([s.reshape(-1, s.shape[-1]) for s in samples])
-    idx = torch.linspace(0, x.shape[0] - 1, min(CLIP_TOKENS, x.shape[0]), device=x.device).long()
+    idx = torch.linspace(0, x.shape[0] - 1, min(count, x.shape[0]), device=x.device).long()
     return x[idx]
 
 
@@ -255,6 +257,12 @@ def _round_set(block, spec, members, fused, stats, config, prefix, rtn_only) -> 
     # One global scale per fused set, fixed before clipping and rounding.
     shared = smoothing.group_weight_amax(linears) if fused else None
     amaxes = [shared if fused else nvfp4.tensor_amax(w) for w in originals]
+    if config.weight_scale_search:  # issue 43: the global scale by whole-tensor error (one per fused set)
+        sets = [originals] if fused else [[w] for w in originals]
+        found = [scale_search.search_weight_amax(ws, a, four_six=config.four_six)[0]
+                 for ws, a in zip(sets, [shared] if fused else amaxes)]
+        amaxes = found * len(originals) if fused else found
+        shared = amaxes[0] if fused else shared
     weights = list(originals)
     no_clip = getattr(spec, "no_clip", ()) or ()
     if config.transform == "awq" and config.awq_clip and stats is not None and stats.samples and not rtn_only:
@@ -285,18 +293,30 @@ def _install_set(block, members, stats, config, prefix, qs) -> dict:
     originals = [lin.weight.detach().float() for lin in linears]
     names = [_join(prefix, n) for n in members]
     entries = {}
+    searched = {}
+    if config.weight_scale_search:  # the chosen multiple of the plain amax (issue 43)
+        plain = max(float(nvfp4.tensor_amax(w)) for w in originals)
+        used = float(1 / nvfp4.global_encode_scale(1.0, config.four_six is not None) / qs[0].global_enc.float().cpu())
+        searched["weight_amax_multiplier"] = round(used / plain, 4) if plain else 1.0
     input_amax = stats.input_amax() if config.scheme == "w4a4" else None
+    if config.input_scale_search and input_amax is not None and stats.samples:  # issue 43: by output error
+        input_amax, multiplier, _ = scale_search.search_input_amax(
+            _clip_tokens(stats.samples, INPUT_SEARCH_TOKENS), originals, [q.dequantize(torch.float32) for q in qs],
+            input_amax, four_six=config.four_six)
+        searched["input_amax_multiplier"] = multiplier
     for name, full, lin, w, q in zip(members, names, linears, originals, qs):
         new = NVFP4Linear.from_quantized(
             q, lin.bias, scheme=config.scheme, input_amax=input_amax,
             act_four_six=config.four_six, dtype=lin.weight.dtype,
         )
+        rotation.move_online(lin, new)  # an online input rotation stays before the layer
         set_module(block, name, new)
         entries[full] = {
             "shape": [lin.out_features, lin.in_features],
             "scheme": config.scheme,
             "rel_error": nvfp4.quantization_error(w, q),
             "four_share": q.four_share() if config.four_six else None,
+            **searched,
         }
     return entries
 

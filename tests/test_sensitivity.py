@@ -1,0 +1,46 @@
+"""keep_budget: the most KL-sensitive parts stay bf16, within the extra-bytes budget exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4ptq import sensitivity
+from fp4ptq.config import ConfigError, QuantConfig
+
+
+def test_selection_respects_the_budget_exactly():
+    kl = {"a": 5.0, "b": 4.0, "c": 3.0, "d": 2.0, "e": 1.0}
+    costs = {"a": 60, "b": 30, "c": 50, "d": 10, "e": 10}   # total 160
+    kept, limit = sensitivity.select(kl, costs, "50%")     # 80 bytes: a (60), b would overflow, c too, d (70), e (80)
+    assert limit == 80 and kept == ["a", "d", "e"] and sum(costs[k] for k in kept) <= limit
+    assert sensitivity.select(kl, costs, "2")[0] == ["a", "b"]
+    assert sensitivity.select(kl, costs, "10%")[0] == ["d"]   # 16 bytes: a, b, c do not fit
+    for bad in ("0%", "101%", "-1", "x"):
+        with pytest.raises(ConfigError):
+            QuantConfig(keep_budget=bad)
+
+
+@pytest.mark.filterwarnings("ignore:save. no tokenizer given")
+def test_quantize_keeps_the_chosen_linears_and_inspect_shows_them(tmp_path):
+    import fp4ptq
+    from fp4ptq.eval.report import inspect_checkpoint, inspect_markdown
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=32)).eval()
+    calib = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    config = QuantConfig(method="rtn", four_six="mse", keep_budget="20%", nsamples=2, seqlen=16)
+    fp4ptq.quantize(model, config, calib, progress=False)
+    keep = model.fp4ptq_info["keep"]
+    assert keep["kept"] and keep["extra_bytes"] <= keep["budget_bytes"] == int(0.2 * keep["all_extra_bytes"])
+    assert len(keep["kl_increase"]) == 8 and all(v >= 0 for v in keep["kl_increase"].values())
+    top = max(keep["kl_increase"], key=keep["kl_increase"].get)
+    assert top in keep["kept_parts"] or keep["part_bytes"][top] > keep["budget_bytes"]
+    for name in keep["kept"]:
+        assert type(model.get_submodule(name)) is torch.nn.Linear
+        assert "keep_budget" in model.fp4ptq_info["high_precision"][name]
+    assert model.fp4ptq_info["config"]["ignore"] == ["lm_head"]   # the config as asked, the choice apart
+    fp4ptq.save(model, tmp_path / "ckpt")
+    text = inspect_markdown(inspect_checkpoint(tmp_path / "ckpt"))
+    assert "keep budget 20%" in text and keep["kept"][0] in text
