@@ -178,6 +178,12 @@ def _options(config: dict, sep: str) -> str:
     opts = [name for key, name in (("awq_clip", "clip"), ("gptq_act_order", "act-order"))
             if config.get(key) and (key != "awq_clip" or "awq" in config["method"])
             and (key != "gptq_act_order" or "gptq" in config["method"])]
+    if config.get("rotate"):
+        opts.append(f"rot{config['rotate']}")
+    opts += [name for key, name in (("weight_scale_search", "wscale"), ("input_scale_search", "iscale"))
+             if config.get(key)]
+    if config.get("keep_budget"):
+        opts.append(f"keep{str(config['keep_budget']).rstrip('%')}")
     return "".join(sep + o for o in opts)
 
 
@@ -204,6 +210,17 @@ def cmd_quantize(args) -> int:
         fields["awq_clip"] = True
     if args.act_order:
         fields["gptq_act_order"] = True
+    # issue 43: rotations, scale searches, keep budget
+    for name in ("rotate", "keep_budget", "keep_unit"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.rotate_fixed:
+        fields["rotate_random"] = False
+    if args.rotate_online is not None:
+        fields["rotate_online"] = tuple(p for p in args.rotate_online.split(",") if p)
+    for name in ("weight_scale_search", "input_scale_search"):
+        if getattr(args, name):
+            fields[name] = True
     try:
         config = fp4ptq.QuantConfig(**fields)
     except ConfigError as exc:
@@ -350,7 +367,7 @@ def _parse_tasks(text: str) -> list[str]:
 
     tasks = [t.strip() for t in text.split(",") if t.strip()]
     tasks = [member for t in tasks for member in TASK_GROUPS.get(t, (t,))]
-    known = PPL_TASKS + DOWNSTREAM_TASKS
+    known = PPL_TASKS + ("kld",) + DOWNSTREAM_TASKS
     unknown = [t for t in tasks if t not in known]
     if unknown or not tasks:
         hint = " (lambada: name lambada_openai)" if "lambada" in unknown else ""
@@ -376,18 +393,28 @@ def _check_data(tasks: list[str], data_dir: Optional[str]) -> None:
             if task in LOCAL_TASKS:
                 local_file(task, root)
             else:
-                load_corpus(task, root)
+                load_corpus("wikitext" if task == "kld" else task, root)
         except EvalDataError as exc:
             raise CLIError(str(exc), EXIT_MISSING) from exc
 
 
-def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict) -> dict:
+def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict, baseline=None) -> dict:
     from .eval.perplexity import perplexity
     from .eval.tasks import DOWNSTREAM_TASKS, run_tasks
 
     results = {}
     for task in tasks:
-        if task in corpora:
+        if task == "kld":   # issue 43: KL to the baseline's next-token distributions (0 for the baseline itself)
+            if baseline is None:
+                results[task] = {"task": "kld", "kld": 0.0, "note": "the baseline itself"}
+                continue
+            from .eval.kld import kl_divergence
+
+            _say(f"kld: KL divergence to the baseline, {args.seqlen}-token WikiText-2 windows" +
+                 (f" (first {args.max_windows})" if args.max_windows else ""))
+            results[task] = kl_divergence(model, baseline, tokenizer, seqlen=args.seqlen, max_windows=args.max_windows,
+                                          progress=not args.quiet, corpus=corpora[task])
+        elif task in corpora:
             _say(f"{task}: perplexity, {args.seqlen}-token windows" +
                  (f" (first {args.max_windows})" if args.max_windows else ""))
             results[task] = perplexity(model, tokenizer, task, seqlen=args.seqlen, max_windows=args.max_windows,
@@ -401,7 +428,10 @@ def _evaluate(model, tokenizer, tasks: list[str], args, corpora: dict) -> dict:
     return results
 
 
-def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora) -> dict:
+def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora, *, keep: Optional[list] = None,
+             baseline=None) -> dict:
+    """Evaluate one model; ``keep`` (a list) receives the model instead of freeing it (the ``kld``
+    baseline), ``baseline`` is that model when this one is compared with it."""
     _say(f"loading {spec or 'the demo model'} ...")
     started = time.perf_counter()
     model, tokenizer, entry = _load_model(spec, device, dtype)
@@ -410,7 +440,9 @@ def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora) -> dict:
     # On CPU (reference path) decode each packed weight once, not on every forward: same outputs.
     try:
         with decoded_weight_cache(model) if device == "cpu" else contextlib.nullcontext():
-            entry["results"] = _evaluate(model, tokenizer, tasks, args, corpora)
+            entry["results"] = _evaluate(model, tokenizer, tasks, args, corpora, baseline)
+        if keep is not None:
+            keep.append(model)
     finally:
         del model
         gc.collect()
@@ -453,6 +485,9 @@ def cmd_eval(args) -> int:
         if spec and spec != "demo" and not _is_checkpoint(Path(spec).expanduser()):
             resolve(spec)   # missing paths, damaged checkpoints: before any model loads
     baseline_report = None
+    if "kld" in tasks and (not args.baseline or args.baseline.endswith(".json")):
+        raise CLIError("--tasks kld needs --baseline MODEL (a model to compare next-token distributions with, "
+                       "not a report file)")
     if args.baseline and args.baseline.endswith(".json"):
         baseline_report = Path(args.baseline)
         if not baseline_report.is_file():
@@ -474,13 +509,17 @@ def cmd_eval(args) -> int:
 
     # Perplexity text is read once and shared by both models.
     corpora = {t: load_corpus(t, args.data_dir) for t in tasks if t in PPL_TASKS}
-    models = []
+    if "kld" in tasks:
+        corpora["kld"] = corpora.get("wikitext") or load_corpus("wikitext", args.data_dir)
+    models, kept = [], []
     if args.baseline:
         if baseline_report:
             models.append(_baseline_from_report(baseline_report, tasks, settings))
         else:
-            models.append(_run_one(args.baseline, tasks, args, device, dtype, corpora))
-    models.append(_run_one(args.model, tasks, args, device, dtype, corpora))
+            models.append(_run_one(args.baseline, tasks, args, device, dtype, corpora,
+                                   keep=kept if "kld" in tasks else None))
+    models.append(_run_one(args.model, tasks, args, device, dtype, corpora, baseline=kept[0] if kept else None))
+    kept.clear()
     if args.baseline and models[0]["name"] == models[1]["name"]:
         models[0]["name"] += " (baseline)"
     report = new_report(models, settings, reference=0 if args.baseline else None,
@@ -657,6 +696,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "benchmarks/results/accuracy_smollm2_h200.md)")
     q.add_argument("--act-order", action="store_true",
                    help="GPTQ: process 16-column groups by decreasing Hessian diagonal")
+    q.add_argument("--rotate", type=int, choices=(16, 32, 64, 128), metavar="BLOCK",
+                   help="block-Hadamard rotation (16, 32, 64 or 128): folded into the weights, online at the "
+                        "--rotate-online inputs (recorded as compressed-tensors transform_config)")
+    q.add_argument("--rotate-fixed", action="store_true", help="rotations without random signs")
+    q.add_argument("--rotate-online", metavar="NAMES",
+                   help="comma list of linears (relative to a decoder block, globs allowed) whose inputs are "
+                        "rotated at run time (default: mlp.down_proj)")
+    q.add_argument("--weight-scale-search", action="store_true",
+                   help="each weight's global scale by the whole tensor's reconstruction error (4/6 inside)")
+    q.add_argument("--input-scale-search", action="store_true",
+                   help="W4A4: the static input global scale by the layer-output error on calibration data")
+    q.add_argument("--keep-budget", metavar="PCT%%|N",
+                   help="keep the linears (or blocks, --keep-unit) whose quantization raises the KL to the float "
+                        "model most in bf16: PCT%% of the extra bytes of keeping all, or a count")
+    q.add_argument("--keep-unit", choices=("linear", "block"), help="what --keep-budget chooses (default: linear)")
     q.add_argument("--ignore", action="append", metavar="PATTERN",
                    help="module name/glob/re: pattern kept in high precision (repeatable; default: lm_head)")
     q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
@@ -672,8 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_eval_epilog())
     e.add_argument("model", nargs="?", metavar="MODEL_OR_DIR", help="what to evaluate (default: demo)")
     e.add_argument("--tasks", default="wikitext",
-                   help="comma-separated: wikitext,c4,arc_easy,arc_challenge,hellaswag,boolq,piqa,winogrande,"
-                        "lambada_openai, or arc (= arc_easy,arc_challenge) (default: wikitext)")
+                   help="comma-separated: wikitext,c4,kld (KL to --baseline's next-token distributions),arc_easy,"
+                        "arc_challenge,hellaswag,boolq,piqa,winogrande,lambada_openai, or arc (= arc_easy,"
+                        "arc_challenge) (default: wikitext)")
     e.add_argument("--baseline", metavar="MODEL_OR_REPORT",
                    help="evaluate this model too and show deltas; a report.json from an earlier run is reused "
                         "without re-evaluating")

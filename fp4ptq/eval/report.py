@@ -27,6 +27,7 @@ PERPLEXITY_METRICS = (("token_perplexity", False), ("word_perplexity", False))
 TABLE_METRICS = {
     "wikitext": PERPLEXITY_METRICS,
     "c4": PERPLEXITY_METRICS,
+    "kld": (("kld", False), ("token_perplexity", False)),
     "arc_easy": (("acc_norm", True), ("acc", True)),
     "arc_challenge": (("acc_norm", True), ("acc", True)),
     "hellaswag": (("acc_norm", True), ("acc", True)),
@@ -331,6 +332,8 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict:
         "config": info.get("config"),
         "calibration": info.get("calibration"),
         "high_precision": info.get("high_precision", {}),
+        "rotation": info.get("rotation"),   # issue 43: block-Hadamard rotations
+        "keep": info.get("keep"),           # issue 43: keep_budget's choice and measurements
         "layers": collapsed,
         "expert_layers": experts,
         "totals": totals,
@@ -422,6 +425,17 @@ def inspect_markdown(summary: dict) -> str:
     if summary.get("high_precision"):
         lines += ["", "Kept in high precision: " + ", ".join(
             f"{name} ({why})" for name, why in summary["high_precision"].items())]
+    from .. import rotation, sensitivity
+
+    for line in (rotation.describe(summary.get("rotation")), sensitivity.describe(summary.get("keep"))):
+        if line:
+            lines += ["", line]
+    keep = summary.get("keep")
+    if keep:
+        lines += ["", "| part | KL increase | extra bytes in bf16 | kept |", "|---|---|---|---|"]
+        kept = set(keep["kept_parts"])
+        lines += [f"| {part} | {kl:.4g} | {keep['part_bytes'].get(part, 0)} | {'yes' if part in kept else ''} |"
+                  for part, kl in keep["kl_increase"].items()]
     return "\n".join(lines) + "\n"
 
 
