@@ -101,6 +101,9 @@ def search_group(
     quantized = [block.get_submodule(n) for n in (group.linears if members is None else members)]
     if not all(type(lin) is nn.Linear for lin in linears) or not smoothing.can_fold(prev, readers):
         return {"skipped": "scales cannot be folded (channel counts differ, e.g. grouped-query v -> o)"}, None
+    if any(rotation.online_transform(lin) is not None for lin in linears):
+        return {"skipped": "the input is rotated online (issue 43): scales on the producer's channels do not "
+                           "reach the rotated channels"}, None
     if not quantized:
         return {"skipped": "every linear of the group stays in high precision"}, None
     inspect = block.get_submodule(group.inspect) if group.inspect else block

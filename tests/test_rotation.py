@@ -94,3 +94,22 @@ def test_rotated_checkpoint_round_trips_with_its_transform_config(tmp_path, sche
         after = loaded(ids).logits
     assert torch.allclose(after, before, atol=1e-5, rtol=1e-5)
     assert loaded.fp4ptq_info["rotation"]["online"]["model.layers.0.mlp.down_proj"] == 32
+    if scheme == "w4a16":   # transformers' from_pretrained (fp4ptq's quantizer) applies them too
+        from transformers import AutoModelForCausalLM
+
+        hf_loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+        assert rotation.online_transform(hf_loaded.model.layers[0].mlp.down_proj) is not None
+        with torch.no_grad():
+            assert torch.allclose(hf_loaded(ids).logits, before, atol=1e-5, rtol=1e-5)
+
+
+def test_smoothing_skips_an_online_rotated_input():
+    import fp4ptq
+
+    model = _tiny("llama")
+    config = fp4ptq.QuantConfig(method="awq", scheme="w4a16", rotate=16, nsamples=2, seqlen=32, awq_grid=2,
+                                search_nsamples=1)
+    fp4ptq.quantize(model, config, _calib(2), progress=False)
+    smoothing = model.fp4ptq_info["smoothing"]
+    assert "rotated online" in smoothing["model.layers.0.mlp.down_proj"]["skipped"]
+    assert "awq_ratio" in smoothing["model.layers.0.mlp.gate_proj"]
