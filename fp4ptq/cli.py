@@ -179,7 +179,7 @@ def _options(config: dict, sep: str) -> str:
             if config.get(key) and (key != "awq_clip" or "awq" in config["method"])
             and (key != "gptq_act_order" or "gptq" in config["method"])]
     if config.get("rotate"):
-        opts.append(f"rot{config['rotate']}")
+        opts.append(f"rot{config['rotate']}" + ("" if config.get("rotate_residual", True) else "x"))
     opts += [name for key, name in (("weight_scale_search", "wscale"), ("input_scale_search", "iscale"))
              if config.get(key)]
     if config.get("keep_budget"):
@@ -216,6 +216,8 @@ def cmd_quantize(args) -> int:
             fields[name] = getattr(args, name)
     if args.rotate_fixed:
         fields["rotate_random"] = False
+    if args.rotate_no_residual:
+        fields["rotate_residual"] = False
     if args.rotate_online is not None:
         fields["rotate_online"] = tuple(p for p in args.rotate_online.split(",") if p)
     for name in ("weight_scale_search", "input_scale_search"):
@@ -700,6 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block-Hadamard rotation (16, 32, 64 or 128): folded into the weights, online at the "
                         "--rotate-online inputs (recorded as compressed-tensors transform_config)")
     q.add_argument("--rotate-fixed", action="store_true", help="rotations without random signs")
+    q.add_argument("--rotate-no-residual", action="store_true",
+                   help="leave the residual stream unrotated (only per-head v/o and the online rotations)")
     q.add_argument("--rotate-online", metavar="NAMES",
                    help="comma list of linears (relative to a decoder block, globs allowed) whose inputs are "
                         "rotated at run time (default: mlp.down_proj)")

@@ -72,6 +72,8 @@ class QuantConfig:
                  the weights where exact and online at the inputs of ``rotate_online``
                  (names relative to a decoder block, globs allowed).
     rotate_random: random signs in the Hadamard blocks (from ``seed``).
+    rotate_residual: also rotate the residual stream (embeddings, norms folded, every reader
+                 and writer); False keeps only the per-head v/o and the online rotations.
     weight_scale_search: each weight's (fused group's) global scale chosen by the whole
                  tensor's reconstruction error over ``WEIGHT_SCALE_SWEEP`` x its amax (4/6 inside).
     input_scale_search: W4A4's static input global scale chosen by the layer-output error
@@ -102,6 +104,7 @@ class QuantConfig:
     moe_calib: str = "all"
     rotate: Optional[int] = None
     rotate_random: bool = True
+    rotate_residual: bool = True
     rotate_online: tuple = ("mlp.down_proj",)
     weight_scale_search: bool = False
     input_scale_search: bool = False
@@ -144,7 +147,7 @@ class QuantConfig:
             )
         if not (isinstance(self.gptq_damp, (int, float)) and 0 < self.gptq_damp < 1):
             raise ConfigError(f"QuantConfig.gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
-        for name in ("gptq_act_order", "awq_clip", "rotate_random", "weight_scale_search", "input_scale_search"):
+        for name in ("gptq_act_order", "awq_clip", "rotate_random", "rotate_residual", "weight_scale_search", "input_scale_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"QuantConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_accuracy_options()

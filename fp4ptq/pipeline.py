@@ -309,7 +309,7 @@ def quantize(
             raise ConfigError(f"QuantConfig.rotate / keep_budget need an architecture table in fp4ptq/models.py "
                               f"(Llama family) for now; model_type={getattr(model.config, 'model_type', None)!r} has none")
     if config.rotate is not None:
-        plan = rotation.plan_from_spec(model, spec, config.rotate_online)
+        plan = rotation.plan_from_spec(model, spec, config.rotate_online, config.rotate_residual)
         rotation_info = rotation.rotate_model(model, plan, config.rotate,
                                               seed=config.seed if config.rotate_random else None, head=spec.head)
     if config.keep_budget is not None:

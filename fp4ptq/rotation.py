@@ -204,11 +204,13 @@ def _head_dim(config) -> int:
     return int(hd) if hd else config.hidden_size // config.num_attention_heads
 
 
-def plan_from_spec(model: nn.Module, spec: ArchSpec, online: tuple = ("mlp.down_proj",)) -> RotationPlan:
+def plan_from_spec(model: nn.Module, spec: ArchSpec, online: tuple = ("mlp.down_proj",),
+                   residual: bool = True) -> RotationPlan:
     """The plan for a model described by an ArchSpec (Llama family): groups fed by a norm are
     residual readers (the norm folded into them); groups fed by a linear (v -> o, up -> down)
     write to the residual; v -> o is rotated per head; ``online`` (names relative to a block,
-    globs allowed) get online rotations. The final norm feeds the LM head."""
+    globs allowed) get online rotations. The final norm feeds the LM head. ``residual=False`` leaves
+    the residual stream (embeddings, norms, readers, writers) alone."""
     from fnmatch import fnmatchcase
 
     names = {id(m): n for n, m in model.named_modules()}
@@ -239,6 +241,8 @@ def plan_from_spec(model: nn.Module, spec: ArchSpec, online: tuple = ("mlp.down_
     if isinstance(head, nn.Linear):
         plan.norms.append((spec.final_norm, [spec.head]))
         plan.readers.append(spec.head)
+    if not residual:
+        plan.embeddings, plan.norms, plan.readers, plan.writers = [], [], [], []
     return plan
 
 
@@ -277,10 +281,10 @@ def rotate_model(model: nn.Module, plan: RotationPlan, block: int, *, seed: Opti
         raise RotationError(f"rotation block {block} is not one of {ROTATION_BLOCKS}")
     get = model.get_submodule
     hidden = model.get_input_embeddings().weight.shape[1]
-    b_res = block_for(hidden, block)
+    b_res = block_for(hidden, block) if plan.readers or plan.writers or plan.embeddings else None
     b_head = block_for(plan.head_dim, min(block, plan.head_dim)) if plan.heads else None
     seeds = (None, None, None) if seed is None else (seed, seed + 1, seed + 2)
-    M_res = hadamard_signs(b_res, seeds[0])
+    M_res = hadamard_signs(b_res, seeds[0]) if b_res else None
     untied = _untie_head(model, head) if head in plan.readers else False
 
     for norm, readers in plan.norms:

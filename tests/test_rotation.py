@@ -36,17 +36,19 @@ def test_hadamard_blocks_are_orthogonal_and_match_compressed_tensors():
     assert rotation.block_for(576, 128) == 64 and rotation.block_for(1536, 128) == 128
 
 
-@pytest.mark.parametrize("kind,block,seed", [("llama", 16, 0), ("llama", 32, None), ("qwen3", 64, 1)])
-def test_rotated_model_gives_the_same_logits(kind, block, seed):
+@pytest.mark.parametrize("kind,block,seed,residual", [("llama", 16, 0, True), ("llama", 32, None, True),
+                                                      ("qwen3", 64, 1, True), ("qwen3", 128, 2, False)])
+def test_rotated_model_gives_the_same_logits(kind, block, seed, residual):
     model = _tiny(kind)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids).logits
-    plan = rotation.plan_from_spec(model, arch_spec(model))
+    plan = rotation.plan_from_spec(model, arch_spec(model), residual=residual)
     info = rotation.rotate_model(model, plan, block, seed=seed)
     with torch.no_grad():
         after = model(ids).logits
-    assert info["head_untied"] and model.lm_head.weight is not model.model.embed_tokens.weight
+    assert info["head_untied"] == residual
+    assert (model.lm_head.weight is not model.model.embed_tokens.weight) == residual
     assert len(info["online"]) == 2 and all(rotation.online_transform(model.get_submodule(n)) for n in info["online"])
     assert torch.allclose(after, before, atol=2e-5, rtol=1e-4), (after - before).abs().max()
     # the weights did change (a rotation that is the identity would pass the check above)
