@@ -486,7 +486,7 @@ def _plan_groups(block, modules, seen, experts, in_experts, sibling_experts, hid
     order = {n: i for i, n in enumerate(seen["order"])}
     grouped = set()
     for key, names in seen["readers"].items():
-        leaves = [n for n in names if not list(modules[n].children())]
+        leaves = [n for n in names if not _children(modules[n]) and not _is_transform(modules[n])]
         linears, routers, others = [], [], []
         for n in leaves:
             module = modules[n]
@@ -517,7 +517,8 @@ def _plan_groups(block, modules, seen, experts, in_experts, sibling_experts, hid
         groups.append(InputGroup(tuple(linears), prev, inspect, fused=False, inspect_kwargs=False,
                                  fused_sets=fused_sets, readers=tuple(routers), fold=fold, why=why))
     for n, module in modules.items():
-        if n in grouped or n in high or list(module.children()) or not any(True for _ in module.parameters(recurse=False)):
+        if (n in grouped or n in high or _children(module) or _is_transform(module)
+                or not any(True for _ in module.parameters(recurse=False))):
             continue
         if isinstance(module, nn.Linear):
             high[n] = "a linear the calibration forward never called"
@@ -525,6 +526,16 @@ def _plan_groups(block, modules, seen, experts, in_experts, sibling_experts, hid
             high[n] = f"neither a linear nor an expert tensor ({type(module).__name__}): kept in high precision"
     groups.sort(key=lambda g: order.get(g.linears[0], 0))
     return BlockPlan(groups=groups, high=high)
+
+
+def _is_transform(module: nn.Module) -> bool:
+    """An online rotation attached to a linear (``fp4ptq.rotation.OnlineHadamard``, issue 43)."""
+    return bool(getattr(module, "fp4ptq_transform", False))
+
+
+def _children(module: nn.Module) -> list:
+    """The module's children, without online rotations (a linear carrying one is still a leaf)."""
+    return [c for c in module.children() if not _is_transform(c)]
 
 
 def _is_norm_like(module: nn.Module) -> bool:

@@ -145,6 +145,8 @@ class OnlineHadamard(nn.Module):
     """``x -> x blockdiag(M) / sqrt(b)`` before a linear (compressed-tensors' ``HadamardTransform``
     at ``location: input``: the same weight, the same formula, in ``float32``)."""
 
+    fp4ptq_transform = True   # discovery (fp4ptq.models) keeps the linear carrying it a leaf
+
     def __init__(self, size: int, weight: Optional[torch.Tensor] = None, device=None) -> None:
         super().__init__()
         data = torch.empty(size, size, dtype=torch.float32, device=device) if weight is None \

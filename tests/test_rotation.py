@@ -113,5 +113,6 @@ def test_smoothing_skips_an_online_rotated_input():
                                 search_nsamples=1)
     fp4ptq.quantize(model, config, _calib(2), progress=False)
     smoothing = model.fp4ptq_info["smoothing"]
-    assert "rotated online" in smoothing["model.layers.0.mlp.down_proj"]["skipped"]
+    down = smoothing["model.layers.0.mlp.down_proj"]   # discovery sees no exact fold past the rotation
+    assert "skipped" in down and "awq_ratio" not in down
     assert "awq_ratio" in smoothing["model.layers.0.mlp.gate_proj"]
