@@ -383,7 +383,6 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
 
     modules = dict(block.named_modules())
     experts = tuple(n for n, m in modules.items() if isinstance(m, LinearExperts))
-    in_experts = lambda n: any(n == e or n.startswith(e + ".") for e in experts)  # noqa: E731
     sibling_experts: dict = {}
     for e in experts:
         sibling_experts.setdefault(_parent(e), set()).add(modules[e].num_experts)
@@ -402,7 +401,7 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
         if probe:
             with _calibrate_all(block, False):
                 reference = _out_tensor(block(hidden, *call[0], **call[1])).float()
-        plan = _plan_groups(block, modules, seen, experts, in_experts, sibling_experts, hidden, call,
+        plan = _plan_groups(block, modules, seen, sibling_experts, hidden, call,
                             reference if probe else None)
     finally:
         if probe and dtype != torch.float32:
@@ -481,7 +480,7 @@ def _cast_call(call: tuple, dtype) -> tuple:
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
-def _plan_groups(block, modules, seen, experts, in_experts, sibling_experts, hidden, call, reference) -> BlockPlan:
+def _plan_groups(block, modules, seen, sibling_experts, hidden, call, reference) -> BlockPlan:
     high, groups = {}, []
     order = {n: i for i, n in enumerate(seen["order"])}
     grouped = set()

@@ -109,8 +109,8 @@ def _expert_stats(block, expert, local, groups, inputs, config, prefix, *, hessi
 
 
 @torch.no_grad()
-def _quantize_experts(block, name, module, plan, shared_group, shared_stats, members, captured, config, prefix,
-                      high, smoothing_info, *, use_data: bool, batch_keys: list, world: distributed.World,
+def _quantize_experts(name, module, plan, shared_stats, members, captured, config, prefix,
+                      smoothing_info, *, use_data: bool, batch_keys: list, world: distributed.World,
                       device) -> dict:
     """Stream the experts of one ``LinearExperts``: per expert, its statistics (every
     calibration token under ``moe_calib="all"``, its routed tokens under "routed"),

@@ -521,10 +521,11 @@ def quantize_block(
                                             device=device))
         parent_inputs[name] = None
     for name, module in experts.items():
-        shared = [g for g in expert_groups if any(expert_of(n) == name and not n.endswith(_down(module)) for n in g.linears)]
-        layers.update(_quantize_experts(block, name, module, plan, shared[0] if shared else None,
-                                        stats.get(shared[0]) if shared else None, members, captured[name],
-                                        config, prefix, high, smoothing_info, use_data=inputs is not None,
+        # the group of the experts' shared input (their gate/up): its statistics serve moe_calib="all"
+        shared = next((g for g in expert_groups
+                       if any(expert_of(n) == name and not n.endswith(_down(module)) for n in g.linears)), None)
+        layers.update(_quantize_experts(name, module, plan, stats.get(shared), members, captured[name],
+                                        config, prefix, smoothing_info, use_data=inputs is not None,
                                         batch_keys=batch_keys, world=world, device=device))
         captured[name] = None
     if inputs is not None:
