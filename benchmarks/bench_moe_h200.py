@@ -24,7 +24,8 @@ output a rounding apart can flip a code of the down projection's input and the l
 
 Knobs: ``--layers qwen3,mixtral``, ``--tokens 1,16,256,4096``, ``--rounds 3``, ``--name moe_h200``. The report
 alone (any machine, no GPU): ``python benchmarks/bench_moe_h200.py --report results.json`` rewrites the
-markdown table and the figure beside the JSON file.
+markdown table and the figure beside the JSON file. ``--sweep --name moe_sweep_h200``: where the time goes (routing,
+each launch, the whole layer) and the grouped kernel's tile sweep, W4A16 (``SWEEP_CONFIGS``).
 """
 from __future__ import annotations
 
@@ -177,6 +178,92 @@ def run(args) -> dict:
     return res
 
 
+def _silu_gate(g, u):
+    import torch
+
+    return torch.nn.functional.silu(g) * u
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by --sweep beside ``grouped.kernel_config``'s pick
+SWEEP_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4),
+                 (64, 256, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+                 (128, 128, 4, 3), (256, 64, 8, 3))
+
+
+def sweep(args) -> dict:
+    """Where a layer's time goes and which tile the grouped kernel wants (W4A16): ``route`` alone, each
+    projection's launch alone under ``kernel_config``'s pick and under every ``SWEEP_CONFIGS`` tile (each
+    checked against the pick's output first), torch's grouped GEMM on the same rows, and (>= 256 tokens)
+    dequantizing every expert to bf16 (block scales only, one launch) before that grouped GEMM."""
+    import torch
+
+    from fp4ptq import nvfp4
+    from fp4ptq.kernels import gemm, grouped
+
+    dev = torch.device(args.device)
+    t0 = time.time()
+    res = {"env": harness.peers().env(), "configs": SWEEP_CONFIGS, "rows": []}
+    path = harness.out_path(args.name + ".json")
+    save, record = harness.recorder(res, path)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for layer in args.layers:
+        experts, k, hidden_size, ffn = LAYERS[layer]
+        qs, bf = {}, {}
+        for proj, (n_, k_) in {"w13": (2 * ffn, hidden_size), "w2": (hidden_size, ffn)}.items():
+            w = torch.randn(experts, n_, k_, device=dev, generator=gen) * 0.02
+            q = [nvfp4.quantize(w[e]) for e in range(experts)]
+            bf[proj] = torch.stack([t.dequantize(torch.bfloat16) for t in q])
+            qs[proj] = grouped.stack_weights(q)
+            del w, q
+        for tokens in args.tokens:
+            if time.time() - t0 > args.budget:
+                break
+            index, weights = _routing(tokens, experts, k, dev, gen)
+            hidden = torch.randn(tokens, hidden_size, device=dev, generator=gen).to(torch.bfloat16)
+            r = grouped.route(index, experts)
+            inter = torch.randn(r.pairs, ffn, device=dev, generator=gen).to(torch.bfloat16)
+            offs = r.offsets[1:]
+            row = {"layer": layer, "tokens": tokens, "block_m": r.block_m,
+                   "route_us": harness.graph_us(lambda: grouped.route(index, experts)),
+                   "layer_us": harness.graph_us(lambda: grouped.moe(hidden, index, weights, qs["w13"], qs["w2"], _silu_gate))}
+            for proj, (x, gather) in {"w13": (hidden, True), "w2": (inter, False)}.items():
+                sw = qs[proj]
+                want = grouped.grouped_linear(x, r, sw, gather=gather)[r.valid]
+                times = {}
+                for cfg in (None,) + SWEEP_CONFIGS:
+                    def fn(cfg=cfg, x=x, sw=sw, gather=gather):
+                        return grouped.grouped_linear(x, r, sw, gather=gather, config=cfg)
+                    try:
+                        err = harness.rel(fn()[r.valid], want)
+                        times[str(cfg)] = harness.graph_us(fn) if err < 1e-2 else f"rel. error {err:.2e}"
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit: recorded
+                        times[str(cfg)] = repr(exc)[:200]
+                ok = {c: t for c, t in times.items() if isinstance(t, float)}
+                best = min(ok, key=ok.get) if ok else None
+                row[f"{proj}_pick_us"] = times["None"]
+                row[f"{proj}_best"] = best
+                row[f"{proj}_best_us"] = ok.get(best)
+                row[f"{proj}_all"] = times
+                xg = hidden[r.token.long()] if gather else x
+                wt = bf[proj].transpose(-2, -1)
+                row[f"{proj}_bf16_grouped_mm_us"] = harness.graph_us(lambda xg=xg, wt=wt: torch._grouped_mm(xg, wt, offs=offs))
+                if tokens >= 256:
+                    e_, n_, half = sw.packed.shape
+                    flat = nvfp4.NVFP4Tensor(sw.packed.view(e_ * n_, half), sw.scale.view(e_ * n_, -1),
+                                             torch.ones((), device=dev), torch.Size((e_ * n_, half * 2)), torch.bfloat16)
+
+                    def dq(xg=xg, flat=flat, shape=(e_, n_, half * 2)):
+                        w = gemm.dequantize(flat, torch.bfloat16, unit_global=True).view(shape)
+                        return torch._grouped_mm(xg, w.transpose(-2, -1), offs=offs)
+                    row[f"{proj}_dequant_grouped_mm_us"] = harness.graph_us(dq)
+            record("rows", row)
+        del qs, bf
+        torch.cuda.empty_cache()
+    res["seconds"] = time.time() - t0
+    save()
+    return res
+
+
 def _fp32_layer(hidden, index, weights, w13, w2, gate):
     """The exact layer in fp32 (token by token over its k experts) for the bf16 peer's error."""
     import torch
@@ -283,6 +370,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     ap.add_argument("--name", default="moe_h200", help="results file name under $OUT (no suffix)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # (a dry run of the script's glue)
+    ap.add_argument("--sweep", action="store_true", help="the time split and the tile sweep instead (W4A16)")
+    ap.add_argument("--budget", type=float, default=300, help="--sweep: stop starting new rows after this many s")
     ap.add_argument("--report", metavar="JSON", help="only write NAME.md and NAME.png beside this results file")
     args = ap.parse_args(argv)
     args.layers = [a for a in args.layers.split(",") if a]
@@ -307,7 +396,7 @@ def main(argv=None) -> int:
         print(Path(md).read_text(), end="")
         print(f"wrote {md} and {png}")
         return 0
-    run(args)
+    sweep(args) if args.sweep else run(args)
     return 0
 
 

@@ -306,13 +306,15 @@ def kernel_config(block_m: int, n: int, k: int) -> tuple:
 
 
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
-                   backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   backend: str = "auto", out: Optional[torch.Tensor] = None,
+                   config: Optional[tuple] = None) -> torch.Tensor:
     """``y [P, N]`` (x's dtype): sorted pair p's activation row times its expert's NVFP4 weight (+ bias),
     W4A4 where ``weight.input_amax`` is set. ``gather``: x is ``[T, K]`` and pair p reads row
     ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). One launch; rows of pairs
     routed to no expert are left unwritten (``out`` as given, else uninitialized).
     ``backend``: "auto" (Triton on CUDA / under the interpreter, else the reference), "reference",
-    "triton"."""
+    "triton". ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s
+    (the benchmark's sweep)."""
     from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
 
     if backend not in BACKENDS:
@@ -347,7 +349,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     a4 = weight.input_enc is not None
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
-    bn, bk, warps, stages = kernel_config(bm, n, k)
+    bn, bk, warps, stages = config or kernel_config(bm, n, k)
     grid = (routing.tile_expert.numel(), cdiv(n, bn))
     enc = weight.enc
     _grouped_kernel[grid](
