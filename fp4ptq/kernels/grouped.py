@@ -293,16 +293,32 @@ def _grouped_kernel(
     tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & n_ok[None, :])
 
 
-def kernel_config(block_m: int, n: int, k: int) -> tuple:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a tile of ``block_m`` rows. Not tuned on a GPU yet
-    (issue 44: the H200 run that measures it is still to come)."""
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by tile rows, from the H200 sweep of
+# ``benchmarks/bench_moe_h200.py --sweep`` (``results/moe_sweep_h200.json``: Qwen3-30B-A3B- and Mixtral-shaped
+# experts at 1-4096 tokens, 12 tiles each; every pick below is the best or within 6% of it there).
+# 16-row tiles (decode) on small grids want more programs: a narrow, deep tile while the 64-wide grid
+# would not fill two waves of the 132 SMs, a deep one up to about three.
+DECODE_SMALL_GRID = (32, 256, 4, 3)    # < 264 programs at BLOCK_N = 64
+DECODE_MID_GRID = (64, 256, 4, 3)      # < 400
+DECODE_TILE = (64, 128, 4, 4)
+MID_TILE = (128, 64, 4, 3)             # 32- and 64-row tiles
+PREFILL_TILE = (128, 64, 4, 3)         # 128-row tiles (was 8 warps: 10-27% slower, the sweep)
+
+
+def kernel_config(block_m: int, n: int, k: int, tiles: int = 1 << 20) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``tiles`` tiles of ``block_m`` rows over N = ``n``
+    (the rules above; BLOCK_K falls to a divisor of K where it must)."""
     if INTERPRET:
         return 32, 32 if k % 64 else 64, 4, 1
-    bk = 128 if block_m <= 32 else 64
-    if k % bk:
-        bk = 64 if k % 64 == 0 else 32 if k % 32 == 0 else 16
-    bn = 64 if block_m <= 32 else 128
-    return bn, bk, 4 if block_m <= 64 else 8, 4 if block_m <= 32 else 3
+    if block_m <= 16:
+        programs = tiles * cdiv(n, 64)
+        bn, bk, warps, stages = (DECODE_SMALL_GRID if programs < 264 else DECODE_MID_GRID if programs < 400
+                                 else DECODE_TILE)
+    else:
+        bn, bk, warps, stages = MID_TILE if block_m <= 64 else PREFILL_TILE
+    while k % bk and bk > 16:
+        bk //= 2
+    return bn, bk, warps, stages
 
 
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
@@ -349,7 +365,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     a4 = weight.input_enc is not None
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
-    bn, bk, warps, stages = config or kernel_config(bm, n, k)
+    bn, bk, warps, stages = config or kernel_config(bm, n, k, routing.tile_expert.numel())
     grid = (routing.tile_expert.numel(), cdiv(n, bn))
     enc = weight.enc
     _grouped_kernel[grid](
