@@ -1,0 +1,361 @@
+"""Small-M NVFP4 GEMM (W4A16, and W4A4 on the quantized activations) as a persistent stream-K
+launch around mma.py's decode and ``mma.sync`` step (issue 44 item 2). Gluon; CUDA sm_80 and later;
+bf16 or fp16 activations, M <= 64, K % 64 == 0. A forced path ("streamk") only: the dispatch does not
+pick it until the H200 measured it ahead of mma.py (see ``dispatch.RULES``).
+
+Why (benchmarks/NOTES.md, "issue 44 item 2"): mma.py launches one program per row tile and K range,
+about three a SM's worth, and every form of its inner loop tried plateaus at 119-127 us on 70B
+gate_up at M = 16. Its 448 programs of 128 rows (one K range each) sit 3 or 4 to an SM (3.39 on
+average), so while the SMs are issue-bound the ones holding 4 set the time: about 85% of the SMs'
+issue is usable; and every program fills and drains its own copy ring. Here:
+
+* The grid is the GPU: ``c * SMs`` programs (``c`` the programs an SM holds at once, from the
+  compiled kernel's registers and shared memory; ``plan``), none waiting for another.
+* The work is the flat sequence of (row tile, K step) pairs, tile-major; program ``p`` takes the
+  contiguous steps ``[p * total // G, (p + 1) * total // G)``: every program has the same number
+  of steps, give or take one, whatever the tile count, and one cp.async ring runs through all of
+  them, across tile boundaries (a step's row tile is ``q // steps``).
+* Where a program's steps end a tile, or its range ends, the tile's fp32 partial sums go to the
+  workspace ``[J, M, N]`` at slot ``j`` = the program's rank among the tile's programs. A second
+  launch (a programmatic dependent on sm_90, as mma.py's summing pass) adds each tile's ``cnt``
+  partials in slot order: deterministic, the same bits on every run on a GPU of the same SM count.
+
+The step itself (loads of words, scale bytes and activations through the ring, the bit-move decode
+into the A operand, the activations' pair order, the exact products summed in fp32, the
+``2^26 / global_enc`` factor) is mma.py's, unchanged; the numerics are mma.py's K split's.
+
+The Triton interpreter cannot run Gluon: tests/test_m16.py checks the schedule and the summing pass
+(plain Triton, under the interpreter) against a torch model of the kernel, and tests/test_ptx_hashes.py
+compiles the kernel for sm_90 and sm_80. On a GPU the path is used after ``ready`` (a self-test there).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from . import mma
+from ._common import Launch, _gdc_wait, cdiv, next_pow2
+from .mma import _copy, _launch_dependents, _operands, _sync, store_output
+
+MAX_M = 64
+PER_SM = {2: 8, 4: 4}  # programs an SM holds before the compiled kernel says (warps -> count; 128 registers)
+_PER_SM_SEEN: dict = {}  # (tile key, device) -> programs an SM, from the compiled kernel
+
+
+@gluon.jit
+def _issue(t, kc, w_dst, s_dst, x_dst, w_ptr, s_ptr, x_ptr, w_r, w_c, s_r, s_c, x_off, N, KW, KB,
+           BN: gl.constexpr, BK: gl.constexpr):
+    """cp.async copies of one step into one ring slot: the words ``[BN, BK/8]`` and scale bytes
+    ``[BN, BK/16]`` of row tile ``t`` at K offset ``kc`` (rows past N read row 0: computed, never
+    stored) and the activations ``[BK, BM]`` there."""
+    kc = gl.multiple_of(kc, BK)
+    rw = t * BN + w_r
+    rw = gl.where(rw < N, rw, 0).to(gl.int64) * KW
+    _copy(w_dst, w_ptr + (rw[:, None] + (kc // 8 + w_c)[None, :]))
+    rs = t * BN + s_r
+    rs = gl.where(rs < N, rs, 0).to(gl.int64) * KB
+    _copy(s_dst, s_ptr + (rs[:, None] + (kc // 16 + s_c)[None, :]))
+    _copy(x_dst, x_ptr + kc + x_off)
+
+
+@gluon.jit
+def _advance(qi, ti, ki, s1, STEPS):
+    """The step after ``qi`` (tile ``ti``, K step ``ki``) in the flat sequence, or ``qi`` itself at the
+    program's last step ``s1 - 1`` (the ring's trailing copies reload it): no division a step."""
+    more = (qi < s1 - 1).to(gl.int32)
+    ki = ki + more
+    wrap = (ki == STEPS).to(gl.int32)
+    return qi + more, ti + wrap, ki - wrap * STEPS
+
+
+@gluon.jit
+def _first_program(x, G, TOTAL):
+    """The program whose steps hold flat step ``x``: the largest p with p * TOTAL // G <= x."""
+    return ((x + 1) * G + TOTAL - 1) // TOTAL - 1
+
+
+@gluon.jit
+def _streamk_kernel(
+    x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, ws_ptr,
+    M, N, KW8, KB4, stride_x8, STEPS, TOTAL, G,
+    HAS_XENC: gl.constexpr, STAGES: gl.constexpr,
+    BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, XC: gl.constexpr,
+    TRIGGER: gl.constexpr = False, MUL: gl.constexpr = False,
+):
+    if TRIGGER:  # the summing pass, a programmatic dependent, may launch now (every program is resident)
+        _launch_dependents()
+    KW = KW8 * 8  # words a row (K / 8)
+    KB = KB4 * 4  # scale bytes a row (K / 16)
+    stride_xm = stride_x8 * 8
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=8)
+    pid = gl.program_id(0)
+    s0 = pid * TOTAL // G
+    s1 = (pid + 1) * TOTAL // G  # this program's steps [s0, s1), never empty (G <= TOTAL)
+
+    w_r = gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
+    w_c = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WL))
+    s_r = gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
+    s_c = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))
+    xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
+    x_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
+    # (activation rows past M read row 0: computed, never stored)
+
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], flat)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], flat)
+    k_major: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[0, 1])
+    x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BK, BM], k_major)
+    qi = s0  # the next step to copy: flat index, row tile, K step
+    ti = s0 // STEPS
+    ki = s0 - ti * STEPS
+    for p in gl.static_range(STAGES - 1):
+        _issue(ti, ki * BK, w_ring.index(p), s_ring.index(p), x_ring.index(p), w_ptr, s_ptr, x_ptr,
+               w_r, w_c, s_r, s_c, x_off, N, KW, KB, BN, BK)
+        async_copy.commit_group()
+        qi, ti, ki = _advance(qi, ti, ki, s1, STEPS)
+
+    mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_l))
+    no_base = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+    for t in range(s0 // STEPS, (s1 - 1) // STEPS + 1):
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma_l)
+        for q in range(gl.maximum(s0, t * STEPS), gl.minimum(s1, (t + 1) * STEPS)):
+            i = q - s0
+            async_copy.wait_group(STAGES - 2)
+            _sync()  # step q is in; every thread is done with the slot of step q - 1
+            slot = i % STAGES
+            wp = w_ring.index(slot).load(WL)
+            sb = s_ring.index(slot).load(SL)
+            xp = x_ring.index(slot).load(XL)
+            nxt = (i + STAGES - 1) % STAGES
+            # step q + STAGES - 1: the ring runs on across tiles; past the program's last step, a reload of it
+            _issue(ti, ki * BK, w_ring.index(nxt), s_ring.index(nxt), x_ring.index(nxt),
+                   w_ptr, s_ptr, x_ptr, w_r, w_c, s_r, s_c, x_off, N, KW, KB, BN, BK)
+            async_copy.commit_group()
+            qi, ti, ki = _advance(qi, ti, ki, s1, STEPS)
+            a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MUL)
+            acc = mma_v2(a, b, acc)
+        j = pid - _first_program(t * STEPS, G, TOTAL)  # this program's slot among the tile's partials
+        store_output(acc, t * BN + no_base, mo, x_ptr, wenc_ptr, xenc_ptr, wenc_ptr, ws_ptr, M, N, N, j,
+                     False, HAS_XENC, True)
+    async_copy.wait_group(0)
+
+
+@triton.jit
+def _programs_of(x, G, TOTAL):
+    """``_first_program`` in plain Triton (the summing pass's copy)."""
+    return ((x + 1) * G + TOTAL - 1) // TOTAL - 1
+
+
+@triton.jit
+def _streamk_finish(ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, STEPS, TOTAL, G, J: tl.constexpr,
+                    BN: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``y[m, n] = sum_{j < cnt} ws[j, m, n] (+ bias)``, in slot order, cast to y's dtype: ``cnt`` the
+    number of programs whose steps meet column n's row tile. ``PDL``: launched as the programmatic
+    dependent of the stream-K launch; ``griddepcontrol.wait`` holds it until the partials are written."""
+    if PDL:
+        _gdc_wait()
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    t = n // BN
+    first = _programs_of(t * STEPS, G, TOTAL)
+    cnt = _programs_of((t + 1) * STEPS - 1, G, TOTAL) - first + 1
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(J):  # unrolled: every partial's load in flight at once, the adds in order
+        acc += tl.load(ws_ptr + (j * M + row) * N + n, mask=ok & (j < cnt), other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def first_program(x: int, g: int, total: int) -> int:
+    """The program (of ``g``) whose steps hold flat step ``x`` of ``total`` (the kernels' formula)."""
+    return ((x + 1) * g + total - 1) // total - 1
+
+
+def slots(tiles: int, steps: int, g: int) -> int:
+    """The most programs whose steps meet one row tile (the workspace's slot count J)."""
+    total = tiles * steps
+    return max(first_program((t + 1) * steps - 1, g, total) - first_program(t * steps, g, total) + 1
+               for t in range(tiles))
+
+
+def config(m: int, n: int, k: int, sms: int = 132, per_sm: Optional[int] = None):
+    """(BN, BM, BK, warps, stages, programs): mma.py's tile and ring for M rows, and the grid: ``c * SMs``
+    programs, ``c`` the programs an SM holds (``per_sm``; ``PER_SM`` of the warp count when not known
+    yet), fewer where the steps would drop under 1024 K a program (``c`` at least 1), never more than
+    the steps."""
+    bn, bm, bk, warps, _, stages = mma.config(m, n, k, sms)
+    steps, tiles = k // bk, cdiv(n, bn)
+    total = tiles * steps
+    per_sm = per_sm or PER_SM.get(warps, 2)
+    least = max(1, min(steps, 1024 // bk))
+    c = min(per_sm, max(1, total // (sms * least)))
+    return bn, bm, bk, warps, stages, min(total, c * sms)
+
+
+def supports(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes this shape: 1 <= M <= 64, K a multiple of 64."""
+    return 0 < m <= MAX_M and n > 0 and k % 64 == 0
+
+
+def _resident(compiled, warps: int, device: torch.device) -> Optional[int]:
+    """Programs of ``compiled`` an SM holds at once (registers, shared memory, warps), or None where
+    this Triton does not say."""
+    try:
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        regs, smem = int(compiled.n_regs), int(compiled.metadata.shared)
+    except Exception:  # noqa: BLE001 - a Triton whose compiled kernel says this differently
+        return None
+    props = torch.cuda.get_device_properties(device)
+    sm_regs = getattr(props, "regs_per_multiprocessor", 65536)
+    sm_smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    sm_threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers go to warps in units of 256
+    by_regs = sm_regs // (per_warp * warps)
+    by_smem = sm_smem // (smem + 1024)  # (1 KB of each SM's shared memory is reserved a program)
+    return max(1, min(by_regs, by_smem, sm_threads // (32 * warps), 32))
+
+
+_LAYOUTS: dict = {}
+
+
+def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+             x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+             cfg: Optional[tuple] = None, slots_=(0, 5)):
+    """``matmul``'s launches for operands shaped like these (``mma.aligned_operands`` already), as a
+    callable ``run(*tensors) -> y`` taking x and y (y last; W4A4's global scale comes fixed). The
+    stream-K launch writes partials into a fresh fp32 workspace, the summing pass (a programmatic
+    dependent where ``split_pdl``) writes y."""
+    from ._common import _sm_count, dependent_or_plain, split_pdl
+
+    m, k = x2.shape
+    n = words.shape[0]
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the streamk path takes bf16 or fp16 activations, got {x2.dtype}")
+    if not supports(m, n, k):
+        raise ValueError(f"the streamk path takes 1 <= M <= {MAX_M} and K % 64 == 0, got M={m}, N={n}, K={k}")
+    sms = _sm_count(x2.device)
+    if cfg is None:
+        key = mma.config(m, n, k, sms)[:4] + (x2.device,)
+        cfg = config(m, n, k, sms, _PER_SM_SEEN.get(key))
+    bn, bm, bk, warps, stages, g = cfg
+    steps, tiles = k // bk, cdiv(n, bn)
+    total = tiles * steps
+    if bm < m or bn % (16 * warps) or not 0 < g <= total or stages < 2:
+        raise ValueError(f"streamk: config {cfg} does not tile M={m}, N={n}, K={k}")
+    if (total + 1) * g >= 1 << 31:
+        raise ValueError(f"streamk: {total} steps on {g} programs overflow its 32-bit schedule (N={n}, K={k})")
+    j = slots(tiles, steps, g)
+    trigger = split_pdl(x2.device)
+    launch = Launch(_streamk_kernel, (g,), _kernel_args(x2, words, sbits, enc, x_enc, None, cfg), slots_,
+                    _kernel_options(cfg, x2, x_enc, trigger))
+    has_bias = bias is not None
+
+    def finisher(pdl: bool):
+        block = 1024
+        return Launch(_streamk_finish, (cdiv(n, block), m),
+                      (None, bias if has_bias else enc, None, m, n, y.stride(0), steps, total, g), (0, 2),
+                      dict(J=j, BN=bn, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4))
+
+    finish = finisher(trigger)
+    if trigger:
+        finish = dependent_or_plain(finish, lambda: finisher(False), x2.device, "the stream-K summing pass")
+
+    def run(x2, y):
+        target = torch.empty(j, m, n, dtype=torch.float32, device=y.device)
+        launch(x2, target)
+        finish(target, y)
+        return y
+    return run
+
+
+def _tile_layouts(bn: int, bm: int, bk: int, warps: int):
+    key = (bn, bm, bk, warps)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = mma._layouts(bn, bm, bk, warps)
+    return _LAYOUTS[key]
+
+
+def _kernel_options(cfg: tuple, x2: torch.Tensor, x_enc, trigger: bool) -> dict:
+    bn, bm, bk, warps, stages, _ = cfg
+    wl, sl, xl, sc, xc = _tile_layouts(bn, bm, bk, warps)
+    return dict(HAS_XENC=x_enc is not None, STAGES=int(stages), BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl,
+                XL=xl, SC=sc, XC=xc, TRIGGER=trigger, MUL=mma.MULDEC and x2.dtype == torch.bfloat16, num_warps=warps)
+
+
+def _kernel_args(x2, words, sbits, enc, x_enc, ws, cfg: tuple) -> tuple:
+    m, k = x2.shape
+    n = words.shape[0]
+    bn, _, bk, _, _, g = cfg
+    steps = k // bk
+    return (x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, ws, m, n, k // 64, k // 64,
+            x2.stride(0) // 8, steps, cdiv(n, bn) * steps, g)
+
+
+def _learn_per_sm(x2, words, sbits, enc, x_enc) -> None:
+    """Compile the kernel for this call's tile (once a tile and device, no launch) and keep how many
+    of its programs an SM holds, so that ``config`` sizes the grid to what is resident at once."""
+    from ._common import _sm_count
+
+    m, k = x2.shape
+    n = words.shape[0]
+    sms = _sm_count(x2.device)
+    key = mma.config(m, n, k, sms)[:4] + (x2.device,)
+    if key in _PER_SM_SEEN:
+        return
+    _PER_SM_SEEN[key] = None
+    cfg = config(m, n, k, sms)
+    try:
+        compiled = _streamk_kernel.warmup(*_kernel_args(x2, words, sbits, enc, x_enc, enc, cfg), grid=(cfg[5],),
+                                          **_kernel_options(cfg, x2, x_enc, False))
+    except Exception:  # noqa: BLE001 - no warmup in this Triton: the default count stays
+        return
+    _PER_SM_SEEN[key] = _resident(compiled, cfg[3], x2.device)
+
+
+def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
+           x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
+           cfg: Optional[tuple] = None) -> torch.Tensor:
+    """``y [M, N] = x2 [M, K] @ W^T`` (+ bias) as ``mma.matmul``, through the stream-K launch."""
+    x2, sbits = mma.aligned_operands(x2, sbits)
+    if cfg is None and x2.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _learn_per_sm(x2, words, sbits, enc, x_enc)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg)(x2, y)
+
+
+_READY: dict = {}
+
+
+def _self_test(device: torch.device) -> Optional[str]:
+    """Partial row tiles, tiles shared by several programs, 128- and 64-wide K steps, M = 5 / 16 / 40,
+    fp16."""
+    cases = ((5, 200, 2048, torch.bfloat16), (16, 1000, 4096, torch.bfloat16), (40, 200, 1152, torch.bfloat16),
+             (13, 200, 1088, torch.float16), (16, 4096, 1024, torch.bfloat16))
+    return mma.product_check(matmul, cases, device)
+
+
+def ready(device: torch.device) -> Optional[str]:
+    """None when ``device`` can run the kernel (as mma.py: sm_80 on, NVIDIA) and it compiled and
+    passed its self-test there (decided once per device), otherwise why not."""
+    index = mma._index(device)
+    return mma.decide_once(_READY, index, lambda: mma._device_reason(index), _self_test, "the stream-K path")
+
+
+def disable(device: torch.device, reason: str) -> None:
+    """Stop using the kernel on ``device`` (a launch failed after the self-test passed)."""
+    mma.stop_using(_READY, mma._index(device), reason, "the stream-K path")
+
+
+__all__ = ["MAX_M", "config", "disable", "first_program", "launches", "matmul", "ready", "slots", "supports"]
