@@ -34,7 +34,8 @@ MS = (1, 16, 128, 1024, 8192)
 TARGET_MS = (1, 16, 1024, 8192)  # the rows the issue's targets read, re-timed in ROUNDS interleaved rounds
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 QUANT_SHAPES = ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672))
-CHECK_PATHS = ("gemv6", "mma", "gemm")  # forced paths checked on every code and on an odd shape
+CHECK_PATHS = ("gemv6", "mma", "gemm", "streamk")  # forced paths checked on every code and on an odd shape
+STREAMK_MS = (16,)  # issue 44 item 2: streamk.py (forced) timed beside cuBLAS and the dispatched path at these M
 
 
 # --------------------------------------------------------------------------- #
@@ -171,6 +172,8 @@ def main_gpu():
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
             elif m <= 128:
                 ours["ours_w4a16_wgmma"] = lambda x=x: gm.linear_w4a16(x, wq, path="wgmma")
+            if m in STREAMK_MS:
+                ours["ours_w4a16_streamk"] = lambda x=x: gm.linear_w4a16(x, wq, path="streamk")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
@@ -212,6 +215,11 @@ def main_gpu():
                     row = {"shape": name, "N": n, "K": k, "M": m, "impl": label, "ms": ms,
                            "TBps": byt / (ms * 1e-3) / 1e12, "TFLOPs": 2 * m * n * k / (ms * 1e-3) / 1e12,
                            "rel_err": err}
+                    if label == "ours_w4a16_streamk":  # its grid: (BN, BM, BK, warps, stages, programs), slots
+                        from fp4ptq.kernels import streamk
+
+                        row["streamk"] = {k_: list(v) if isinstance(v, tuple) else v
+                                          for k_, v in streamk.chosen(m, n, k, x.device).items()}
                     res["rows"].append(row)
                     print(f"{name:12} {m:5} {label:22} {ms*1e3:9.1f}us {row['TBps']:5.2f}TB/s "
                           f"{row['TFLOPs']:6.1f}TF err {err:.1e}", flush=True)
@@ -225,6 +233,9 @@ def main_gpu():
                        "ours_w4a4": ours["ours_w4a4"]}
                 if m <= 16 and "tinygemm_int4_g128" in impls:
                     fns["tinygemm_int4_g128"] = lambda x=x, f=impls["tinygemm_int4_g128"]: f(x)
+                if "ours_w4a16_streamk" in ours and any(r.get("impl") == "ours_w4a16_streamk" and r.get("M") == m
+                                                       and r.get("shape") == name and "ms" in r for r in res["rows"]):
+                    fns["ours_w4a16_streamk"] = ours["ours_w4a16_streamk"]  # (only once its output checked out)
                 rounds = {label: [] for label in fns}
                 try:
                     for _ in range(ROUNDS):
@@ -292,6 +303,32 @@ def _floor_section(floor_path, get, copy):
     return lines
 
 
+def _streamk_section(get):
+    """Issue 44 item 2: the forced stream-K path (``ours_w4a16_streamk``) beside cuBLAS bf16, the dispatched
+    path (``ours_w4a16``, mma.py at these M) and mma.py forced, from the interleaved medians where present."""
+    lines = ["", "## M = 16 stream-K (streamk.py, forced; issue 44 item 2)", "",
+             "`ours_w4a16_streamk`: mma.py's step in a persistent stream-K launch (not dispatched). Ratios "
+             "are speedups over cuBLAS bf16; the last column is the dispatched path's time over stream-K's.", "",
+             "| shape | M | cuBLAS bf16 (us) | dispatched (us, x cuBLAS) | mma forced (us, x cuBLAS) | "
+             "streamk (us, x cuBLAS) | streamk vs dispatched | streamk >= 2.5x cuBLAS |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = 0
+    for name in SHAPES:
+        for m in STREAMK_MS:
+            c, d = get.get((name, m, "cublas_bf16")), get.get((name, m, "ours_w4a16"))
+            a, s = get.get((name, m, "ours_w4a16_mma")), get.get((name, m, "ours_w4a16_streamk"))
+            if not (c and s):
+                continue
+            rows += 1
+
+            def cell(r):
+                return f"{r['ms'] * 1e3:.1f} ({c['ms'] / r['ms']:.2f}x)" if r else ""
+            lines.append(f"| {name} | {m} | {c['ms'] * 1e3:.1f} | {cell(d)} | {cell(a)} | {cell(s)} | "
+                         f"{d['ms'] / s['ms']:.2f}x | {'met' if c['ms'] / s['ms'] >= 2.5 else 'NOT met'} |"
+                         if d else f"| {name} | {m} | {c['ms'] * 1e3:.1f} | | {cell(a)} | {cell(s)} | | |")
+    return lines if rows else []
+
+
 def report(path):
     with open(path) as f:
         res = json.load(f)
@@ -308,7 +345,8 @@ def report(path):
     if res.get("provenance"):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
-             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_wgmma",
+             "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_streamk",
+             "ours_w4a16_wgmma",
              "ours_w4a16_wsgemm", "ours_w4a16_gemm",
              "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]
@@ -345,6 +383,7 @@ def report(path):
             single = get.get(key)
             if single:
                 get[key] = dict(single, ms=r["ms"], TBps=single["TBps"] * single["ms"] / r["ms"])
+    lines += _streamk_section(get)
     lines += ["", "## Targets", "", "Read from the interleaved medians where the run has them.", "",
               "| target | shape | figure | met |", "|---|---|---|---|"]
 

@@ -30,6 +30,7 @@ compiles the kernel for sm_90 and sm_80. On a GPU the path is used after ``ready
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -40,11 +41,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import mma
-from ._common import Launch, _gdc_wait, cdiv, next_pow2
+from ._common import Launch, _gdc_wait, cdiv
 from .mma import _copy, _launch_dependents, _operands, _sync, store_output
 
 MAX_M = 64
 PER_SM = {2: 8, 4: 4}  # programs an SM holds before the compiled kernel says (warps -> count; 128 registers)
+LEAST_K = 512  # the least K a program takes where the steps do not fill c * SMs programs (mma.py keeps 1024)
 _PER_SM_SEEN: dict = {}  # (tile key, device) -> programs an SM, from the compiled kernel
 
 
@@ -182,6 +184,7 @@ def first_program(x: int, g: int, total: int) -> int:
     return ((x + 1) * g + total - 1) // total - 1
 
 
+@functools.lru_cache(maxsize=256)
 def slots(tiles: int, steps: int, g: int) -> int:
     """The most programs whose steps meet one row tile (the workspace's slot count J)."""
     total = tiles * steps
@@ -192,15 +195,27 @@ def slots(tiles: int, steps: int, g: int) -> int:
 def config(m: int, n: int, k: int, sms: int = 132, per_sm: Optional[int] = None):
     """(BN, BM, BK, warps, stages, programs): mma.py's tile and ring for M rows, and the grid: ``c * SMs``
     programs, ``c`` the programs an SM holds (``per_sm``; ``PER_SM`` of the warp count when not known
-    yet), fewer where the steps would drop under 1024 K a program (``c`` at least 1), never more than
-    the steps."""
+    yet), fewer where a program would get under ``LEAST_K`` of K (``c`` at least 1), never more
+    programs than steps."""
     bn, bm, bk, warps, _, stages = mma.config(m, n, k, sms)
     steps, tiles = k // bk, cdiv(n, bn)
     total = tiles * steps
     per_sm = per_sm or PER_SM.get(warps, 2)
-    least = max(1, min(steps, 1024 // bk))
+    least = max(1, min(steps, LEAST_K // bk))
     c = min(per_sm, max(1, total // (sms * least)))
     return bn, bm, bk, warps, stages, min(total, c * sms)
+
+
+def chosen(m: int, n: int, k: int, device: torch.device) -> dict:
+    """What a call of this shape launches on ``device`` now (for benchmark records): the config, the
+    programs an SM that sized it (None: not learned from the compiled kernel, ``PER_SM``'s guess) and
+    the workspace's slots."""
+    from ._common import _sm_count
+
+    sms = _sm_count(device)
+    per_sm = _PER_SM_SEEN.get(mma.config(m, n, k, sms)[:4] + (device,))
+    cfg = config(m, n, k, sms, per_sm)
+    return {"config": cfg, "per_sm": per_sm, "slots": slots(cdiv(n, cfg[0]), k // cfg[2], cfg[5]), "sms": sms}
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -358,4 +373,4 @@ def disable(device: torch.device, reason: str) -> None:
     mma.stop_using(_READY, mma._index(device), reason, "the stream-K path")
 
 
-__all__ = ["MAX_M", "config", "disable", "first_program", "launches", "matmul", "ready", "slots", "supports"]
+__all__ = ["MAX_M", "chosen", "config", "disable", "first_program", "launches", "matmul", "ready", "slots", "supports"]
