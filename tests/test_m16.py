@@ -99,6 +99,15 @@ def test_config_fills_the_gpu_on_the_large_layers():
 
 
 @in_main
+def test_resident_programs():
+    # mma.py's M = 16 tile (4 warps, a 3-step ring of 39936 bytes): 4 an SM up to 128 registers, 3 above
+    assert [sk.resident_programs(r, 39936, 4) for r in (106, 128, 129, 168)] == [4, 4, 3, 3]
+    assert sk.resident_programs(128, 26112, 2) == 8  # the 64-row tile on 2 warps
+    assert sk.resident_programs(64, 120000, 4) == 1  # shared memory bound
+    assert sk.resident_programs(128, 39936, 4, sm_smem=167936) == 4  # an A100 SM (164 KB)
+
+
+@in_main
 def test_guard_refuses_what_it_cannot_take():
     w = torch.zeros(8, 1040 // 8, dtype=torch.int32)
     s = torch.zeros(8, 1040 // 16, dtype=torch.uint8)

@@ -47,7 +47,7 @@ from .mma import _copy, _launch_dependents, _operands, _sync, store_output
 MAX_M = 64
 PER_SM = {2: 8, 4: 4}  # programs an SM holds before the compiled kernel says (warps -> count; 128 registers)
 LEAST_K = 512  # the least K a program takes where the steps do not fill c * SMs programs (mma.py keeps 1024)
-_PER_SM_SEEN: dict = {}  # (tile key, device) -> programs an SM, from the compiled kernel
+_PER_SM_SEEN: dict = {}  # (tile key, device) -> (programs an SM, registers, shared bytes) of the compiled kernel
 
 
 @gluon.jit
@@ -206,16 +206,22 @@ def config(m: int, n: int, k: int, sms: int = 132, per_sm: Optional[int] = None)
     return bn, bm, bk, warps, stages, min(total, c * sms)
 
 
-def chosen(m: int, n: int, k: int, device: torch.device) -> dict:
+def _seen_key(m: int, n: int, k: int, sms: int, device: torch.device, dtype: torch.dtype, w4a4: bool) -> tuple:
+    return mma.config(m, n, k, sms)[:4] + (device, dtype, w4a4)
+
+
+def chosen(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+           w4a4: bool = False) -> dict:
     """What a call of this shape launches on ``device`` now (for benchmark records): the config, the
     programs an SM that sized it (None: not learned from the compiled kernel, ``PER_SM``'s guess) and
     the workspace's slots."""
     from ._common import _sm_count
 
     sms = _sm_count(device)
-    per_sm = _PER_SM_SEEN.get(mma.config(m, n, k, sms)[:4] + (device,))
+    per_sm, regs, smem = _PER_SM_SEEN.get(_seen_key(m, n, k, sms, device, dtype, w4a4)) or (None, None, None)
     cfg = config(m, n, k, sms, per_sm)
-    return {"config": cfg, "per_sm": per_sm, "slots": slots(cdiv(n, cfg[0]), k // cfg[2], cfg[5]), "sms": sms}
+    return {"config": cfg, "per_sm": per_sm, "registers": regs, "shared_bytes": smem,
+            "slots": slots(cdiv(n, cfg[0]), k // cfg[2], cfg[5]), "sms": sms}
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -223,9 +229,18 @@ def supports(m: int, n: int, k: int) -> bool:
     return 0 < m <= MAX_M and n > 0 and k % 64 == 0
 
 
-def _resident(compiled, warps: int, device: torch.device) -> Optional[int]:
-    """Programs of ``compiled`` an SM holds at once (registers, shared memory, warps), or None where
-    this Triton does not say."""
+def resident_programs(regs: int, smem: int, warps: int, sm_regs: int = 65536, sm_smem: int = 233472,
+                      sm_threads: int = 2048) -> int:
+    """Programs of ``warps`` warps, ``regs`` registers a thread and ``smem`` shared bytes that one SM holds
+    at once (defaults: an H100 / H200 SM): registers go to warps in units of 256, and each program's
+    shared memory takes 1 KB more (reserved by the driver)."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return max(1, min(sm_regs // (per_warp * warps), sm_smem // (smem + 1024), sm_threads // (32 * warps), 32))
+
+
+def _resident(compiled, warps: int, device: torch.device) -> Optional[tuple]:
+    """(programs of ``compiled`` an SM of ``device`` holds at once, its registers a thread, its shared
+    memory bytes), or None where this Triton does not say."""
     try:
         init = getattr(compiled, "_init_handles", None)
         if init is not None:
@@ -234,13 +249,10 @@ def _resident(compiled, warps: int, device: torch.device) -> Optional[int]:
     except Exception:  # noqa: BLE001 - a Triton whose compiled kernel says this differently
         return None
     props = torch.cuda.get_device_properties(device)
-    sm_regs = getattr(props, "regs_per_multiprocessor", 65536)
-    sm_smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    sm_threads = getattr(props, "max_threads_per_multi_processor", 2048)
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers go to warps in units of 256
-    by_regs = sm_regs // (per_warp * warps)
-    by_smem = sm_smem // (smem + 1024)  # (1 KB of each SM's shared memory is reserved a program)
-    return max(1, min(by_regs, by_smem, sm_threads // (32 * warps), 32))
+    fits = resident_programs(regs, smem, warps, getattr(props, "regs_per_multiprocessor", 65536),
+                             getattr(props, "shared_memory_per_multiprocessor", 233472),
+                             getattr(props, "max_threads_per_multi_processor", 2048))
+    return fits, regs, smem
 
 
 _LAYOUTS: dict = {}
@@ -263,8 +275,8 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         raise ValueError(f"the streamk path takes 1 <= M <= {MAX_M} and K % 64 == 0, got M={m}, N={n}, K={k}")
     sms = _sm_count(x2.device)
     if cfg is None:
-        key = mma.config(m, n, k, sms)[:4] + (x2.device,)
-        cfg = config(m, n, k, sms, _PER_SM_SEEN.get(key))
+        key = _seen_key(m, n, k, sms, x2.device, x2.dtype, x_enc is not None)
+        cfg = config(m, n, k, sms, (_PER_SM_SEEN.get(key) or (None,))[0])
     bn, bm, bk, warps, stages, g = cfg
     steps, tiles = k // bk, cdiv(n, bn)
     total = tiles * steps
@@ -322,19 +334,19 @@ def _kernel_args(x2, words, sbits, enc, x_enc, ws, cfg: tuple) -> tuple:
 def _learn_per_sm(x2, words, sbits, enc, x_enc) -> None:
     """Compile the kernel for this call's tile (once a tile and device, no launch) and keep how many
     of its programs an SM holds, so that ``config`` sizes the grid to what is resident at once."""
-    from ._common import _sm_count
+    from ._common import _sm_count, split_pdl
 
     m, k = x2.shape
     n = words.shape[0]
     sms = _sm_count(x2.device)
-    key = mma.config(m, n, k, sms)[:4] + (x2.device,)
+    key = _seen_key(m, n, k, sms, x2.device, x2.dtype, x_enc is not None)
     if key in _PER_SM_SEEN:
         return
     _PER_SM_SEEN[key] = None
     cfg = config(m, n, k, sms)
     try:
         compiled = _streamk_kernel.warmup(*_kernel_args(x2, words, sbits, enc, x_enc, enc, cfg), grid=(cfg[5],),
-                                          **_kernel_options(cfg, x2, x_enc, False))
+                                          **_kernel_options(cfg, x2, x_enc, split_pdl(x2.device)))
     except Exception:  # noqa: BLE001 - no warmup in this Triton: the default count stays
         return
     _PER_SM_SEEN[key] = _resident(compiled, cfg[3], x2.device)
@@ -373,4 +385,5 @@ def disable(device: torch.device, reason: str) -> None:
     mma.stop_using(_READY, mma._index(device), reason, "the stream-K path")
 
 
-__all__ = ["MAX_M", "chosen", "config", "disable", "first_program", "launches", "matmul", "ready", "slots", "supports"]
+__all__ = ["MAX_M", "chosen", "config", "disable", "first_program", "launches", "matmul", "ready", "resident_programs",
+           "slots", "supports"]
