@@ -36,6 +36,18 @@ ROUNDS = int(os.environ.get("ROUNDS", 3))
 QUANT_SHAPES = ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672))
 CHECK_PATHS = ("gemv6", "mma", "gemm", "streamk")  # forced paths checked on every code and on an odd shape
 STREAMK_MS = (16,)  # issue 44 item 2: streamk.py (forced) timed beside cuBLAS and the dispatched path at these M
+STREAMK_CAPS = {"ours_w4a16_streamk": 0, "ours_w4a16_streamk_r128": 128}  # label -> streamk.MAXNREG (0: none)
+
+
+def _streamk(cap, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with streamk.py's register cap set to ``cap`` (restored after)."""
+    from fp4ptq.kernels import streamk
+
+    saved, streamk.MAXNREG = streamk.MAXNREG, cap
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        streamk.MAXNREG = saved
 
 
 # --------------------------------------------------------------------------- #
@@ -172,8 +184,8 @@ def main_gpu():
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
             elif m <= 128:
                 ours["ours_w4a16_wgmma"] = lambda x=x: gm.linear_w4a16(x, wq, path="wgmma")
-            if m in STREAMK_MS:
-                ours["ours_w4a16_streamk"] = lambda x=x: gm.linear_w4a16(x, wq, path="streamk")
+            for label, cap in STREAMK_CAPS.items() if m in STREAMK_MS else ():
+                ours[label] = lambda x=x, cap=cap: _streamk(cap, gm.linear_w4a16, x, wq, path="streamk")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
@@ -215,11 +227,11 @@ def main_gpu():
                     row = {"shape": name, "N": n, "K": k, "M": m, "impl": label, "ms": ms,
                            "TBps": byt / (ms * 1e-3) / 1e12, "TFLOPs": 2 * m * n * k / (ms * 1e-3) / 1e12,
                            "rel_err": err}
-                    if label == "ours_w4a16_streamk":  # its grid: (BN, BM, BK, warps, stages, programs), slots
+                    if label in STREAMK_CAPS:  # its grid: (BN, BM, BK, warps, stages, programs), slots, registers
                         from fp4ptq.kernels import streamk
 
-                        row["streamk"] = {k_: list(v) if isinstance(v, tuple) else v
-                                          for k_, v in streamk.chosen(m, n, k, x.device).items()}
+                        row["streamk"] = {k_: list(v) if isinstance(v, tuple) else v for k_, v in
+                                          _streamk(STREAMK_CAPS[label], streamk.chosen, m, n, k, x.device).items()}
                     res["rows"].append(row)
                     print(f"{name:12} {m:5} {label:22} {ms*1e3:9.1f}us {row['TBps']:5.2f}TB/s "
                           f"{row['TFLOPs']:6.1f}TF err {err:.1e}", flush=True)
@@ -233,9 +245,10 @@ def main_gpu():
                        "ours_w4a4": ours["ours_w4a4"]}
                 if m <= 16 and "tinygemm_int4_g128" in impls:
                     fns["tinygemm_int4_g128"] = lambda x=x, f=impls["tinygemm_int4_g128"]: f(x)
-                if "ours_w4a16_streamk" in ours and any(r.get("impl") == "ours_w4a16_streamk" and r.get("M") == m
-                                                       and r.get("shape") == name and "ms" in r for r in res["rows"]):
-                    fns["ours_w4a16_streamk"] = ours["ours_w4a16_streamk"]  # (only once its output checked out)
+                for label in STREAMK_CAPS:  # (only once its output checked out in the single pass)
+                    if label in ours and any(r.get("impl") == label and r.get("M") == m and r.get("shape") == name
+                                             and "ms" in r for r in res["rows"]):
+                        fns[label] = ours[label]
                 rounds = {label: [] for label in fns}
                 try:
                     for _ in range(ROUNDS):
@@ -304,28 +317,37 @@ def _floor_section(floor_path, get, copy):
 
 
 def _streamk_section(get):
-    """Issue 44 item 2: the forced stream-K path (``ours_w4a16_streamk``) beside cuBLAS bf16, the dispatched
-    path (``ours_w4a16``, mma.py at these M) and mma.py forced, from the interleaved medians where present."""
+    """Issue 44 item 2: the forced stream-K path beside cuBLAS bf16, the dispatched path (``ours_w4a16``,
+    mma.py at these M) and mma.py forced, from the interleaved medians where present."""
     lines = ["", "## M = 16 stream-K (streamk.py, forced; issue 44 item 2)", "",
-             "`ours_w4a16_streamk`: mma.py's step in a persistent stream-K launch (not dispatched). Ratios "
-             "are speedups over cuBLAS bf16; the last column is the dispatched path's time over stream-K's.", "",
-             "| shape | M | cuBLAS bf16 (us) | dispatched (us, x cuBLAS) | mma forced (us, x cuBLAS) | "
-             "streamk (us, x cuBLAS) | streamk vs dispatched | streamk >= 2.5x cuBLAS |",
-             "|---|---|---|---|---|---|---|---|"]
+             "`ours_w4a16_streamk`: mma.py's step in a persistent stream-K launch (not dispatched); `_r128`: the same "
+             "with a 128-register cap (4 programs of 4 warps an SM). Speedups over cuBLAS bf16 in brackets; "
+             "'vs dispatched': the dispatched path's time over the faster stream-K row's.", "",
+             "| shape | M | cuBLAS bf16 (us) | dispatched | mma forced | streamk | streamk r128 | vs dispatched | "
+             "best >= 2.5x cuBLAS | programs (SM x per SM), registers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     rows = 0
     for name in SHAPES:
         for m in STREAMK_MS:
             c, d = get.get((name, m, "cublas_bf16")), get.get((name, m, "ours_w4a16"))
-            a, s = get.get((name, m, "ours_w4a16_mma")), get.get((name, m, "ours_w4a16_streamk"))
-            if not (c and s):
+            a = get.get((name, m, "ours_w4a16_mma"))
+            ks = [get.get((name, m, label)) for label in STREAMK_CAPS]
+            timed = [r for r in ks if r]
+            if not (c and timed):
                 continue
             rows += 1
+            best = min(timed, key=lambda r: r["ms"])
 
             def cell(r):
                 return f"{r['ms'] * 1e3:.1f} ({c['ms'] / r['ms']:.2f}x)" if r else ""
-            lines.append(f"| {name} | {m} | {c['ms'] * 1e3:.1f} | {cell(d)} | {cell(a)} | {cell(s)} | "
-                         f"{d['ms'] / s['ms']:.2f}x | {'met' if c['ms'] / s['ms'] >= 2.5 else 'NOT met'} |"
-                         if d else f"| {name} | {m} | {c['ms'] * 1e3:.1f} | | {cell(a)} | {cell(s)} | | |")
+
+            def grid(r):
+                g = r.get("streamk") if r else None
+                return f"{g['config'][5]} ({g['sms']} x {g['per_sm']}), {g['registers']}" if g else ""
+            vs = f"{d['ms'] / best['ms']:.2f}x" if d else ""
+            met = "met" if c["ms"] / best["ms"] >= 2.5 else "NOT met"
+            lines.append(f"| {name} | {m} | {c['ms'] * 1e3:.1f} | {cell(d)} | {cell(a)} | {cell(ks[0])} | "
+                         f"{cell(ks[1])} | {vs} | {met} | {'; '.join(grid(r) for r in ks if r)} |")
     return lines if rows else []
 
 
@@ -346,7 +368,7 @@ def report(path):
         lines += [res["provenance"], ""]
     impls = ["cublas_bf16", "tinygemm_int4_g128", "gemlite_int4_g64", "ours_w4a16", "ours_w4a16_gemv",
              "ours_w4a16_gemv4", "ours_w4a16_gemv5", "ours_w4a16_gemv6", "ours_w4a16_mma", "ours_w4a16_streamk",
-             "ours_w4a16_wgmma",
+             "ours_w4a16_streamk_r128", "ours_w4a16_wgmma",
              "ours_w4a16_wsgemm", "ours_w4a16_gemm",
              "ours_w4a16_cublas", "ours_w4a4",
              "ours_w4a4_gemm", "ours_w4a4_cublas", "ours_w4a4_mse"]

@@ -46,23 +46,29 @@ from .mma import _copy, _launch_dependents, _operands, _sync, store_output
 
 MAX_M = 64
 PER_SM = {2: 8, 4: 4}  # programs an SM holds before the compiled kernel says (warps -> count; 128 registers)
+MAXNREG = 0  # a register cap for the kernel (0: the compiler's choice); 128 keeps 4 programs of 4 warps an SM
 LEAST_K = 512  # the least K a program takes where the steps do not fill c * SMs programs (mma.py keeps 1024)
 _PER_SM_SEEN: dict = {}  # (tile key, device) -> (programs an SM, registers, shared bytes) of the compiled kernel
 
 
 @gluon.jit
-def _issue(t, kc, w_dst, s_dst, x_dst, w_ptr, s_ptr, x_ptr, w_r, w_c, s_r, s_c, x_off, N, KW, KB,
-           BN: gl.constexpr, BK: gl.constexpr):
+def _tile_row(t, N, BN: gl.constexpr):
+    """The first row that tile ``t``'s programs compute: ``t * BN``, except that a last tile reaching past
+    N is moved up to end at row N (where N >= BN): every row it reads exists, the rows it shares with
+    the tile before are computed twice and stored once (``_streamk_kernel``). Where N < BN (one tile),
+    0, and the rows past N read row 0 (the offsets' clamp)."""
+    return gl.minimum(t * BN, gl.maximum(N - BN, 0))
+
+
+@gluon.jit
+def _issue(row0, kc, w_dst, s_dst, x_dst, w_ptr, s_ptr, x_ptr, w_off, s_off, x_off, KW, KB, BK: gl.constexpr):
     """cp.async copies of one step into one ring slot: the words ``[BN, BK/8]`` and scale bytes
-    ``[BN, BK/16]`` of row tile ``t`` at K offset ``kc`` (rows past N read row 0: computed, never
-    stored) and the activations ``[BK, BM]`` there."""
+    ``[BN, BK/16]`` of the rows from ``row0`` at K offset ``kc`` (``w_off`` / ``s_off``: this thread's
+    offsets in a tile, fixed), and the activations ``[BK, BM]`` there. One scalar offset a step, as mma.py."""
     kc = gl.multiple_of(kc, BK)
-    rw = t * BN + w_r
-    rw = gl.where(rw < N, rw, 0).to(gl.int64) * KW
-    _copy(w_dst, w_ptr + (rw[:, None] + (kc // 8 + w_c)[None, :]))
-    rs = t * BN + s_r
-    rs = gl.where(rs < N, rs, 0).to(gl.int64) * KB
-    _copy(s_dst, s_ptr + (rs[:, None] + (kc // 16 + s_c)[None, :]))
+    r = row0.to(gl.int64)
+    _copy(w_dst, w_ptr + (r * KW + kc // 8) + w_off)
+    _copy(s_dst, s_ptr + (r * KB + kc // 16) + s_off)
     _copy(x_dst, x_ptr + kc + x_off)
 
 
@@ -103,10 +109,10 @@ def _streamk_kernel(
     s0 = pid * TOTAL // G
     s1 = (pid + 1) * TOTAL // G  # this program's steps [s0, s1), never empty (G <= TOTAL)
 
-    w_r = gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
-    w_c = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WL))
-    s_r = gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
-    s_c = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))
+    rw = gl.arange(0, BN, layout=gl.SliceLayout(1, WL))
+    rs = gl.arange(0, BN, layout=gl.SliceLayout(1, SC))
+    w_off = gl.where(rw < N, rw, 0).to(gl.int64)[:, None] * KW + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, WL))[None, :]
+    s_off = gl.where(rs < N, rs, 0).to(gl.int64)[:, None] * KB + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, SC))[None, :]
     xc = gl.arange(0, BM, layout=gl.SliceLayout(0, XC))
     x_off = gl.where(xc < M, xc, 0)[None, :] * stride_xm + gl.arange(0, BK, layout=gl.SliceLayout(1, XC))[:, None]
     # (activation rows past M read row 0: computed, never stored)
@@ -120,13 +126,11 @@ def _streamk_kernel(
     ti = s0 // STEPS
     ki = s0 - ti * STEPS
     for p in gl.static_range(STAGES - 1):
-        _issue(ti, ki * BK, w_ring.index(p), s_ring.index(p), x_ring.index(p), w_ptr, s_ptr, x_ptr,
-               w_r, w_c, s_r, s_c, x_off, N, KW, KB, BN, BK)
+        _issue(_tile_row(ti, N, BN), ki * BK, w_ring.index(p), s_ring.index(p), x_ring.index(p), w_ptr, s_ptr,
+               x_ptr, w_off, s_off, x_off, KW, KB, BK)
         async_copy.commit_group()
         qi, ti, ki = _advance(qi, ti, ki, s1, STEPS)
 
-    mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_l))
-    no_base = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
     for t in range(s0 // STEPS, (s1 - 1) // STEPS + 1):
         acc = gl.zeros([BN, BM], gl.float32, layout=mma_l)
         for q in range(gl.maximum(s0, t * STEPS), gl.minimum(s1, (t + 1) * STEPS)):
@@ -139,14 +143,17 @@ def _streamk_kernel(
             xp = x_ring.index(slot).load(XL)
             nxt = (i + STAGES - 1) % STAGES
             # step q + STAGES - 1: the ring runs on across tiles; past the program's last step, a reload of it
-            _issue(ti, ki * BK, w_ring.index(nxt), s_ring.index(nxt), x_ring.index(nxt),
-                   w_ptr, s_ptr, x_ptr, w_r, w_c, s_r, s_c, x_off, N, KW, KB, BN, BK)
+            _issue(_tile_row(ti, N, BN), ki * BK, w_ring.index(nxt), s_ring.index(nxt), x_ring.index(nxt),
+                   w_ptr, s_ptr, x_ptr, w_off, s_off, x_off, KW, KB, BK)
             async_copy.commit_group()
             qi, ti, ki = _advance(qi, ti, ki, s1, STEPS)
             a, b = _operands(wp, sb, xp, a_l, b_l, BN, BM, BK, MUL)
             acc = mma_v2(a, b, acc)
         j = pid - _first_program(t * STEPS, G, TOTAL)  # this program's slot among the tile's partials
-        store_output(acc, t * BN + no_base, mo, x_ptr, wenc_ptr, xenc_ptr, wenc_ptr, ws_ptr, M, N, N, j,
+        no = _tile_row(t, N, BN) + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_l))
+        no = gl.where(no >= t * BN, no, N)  # a moved last tile: the rows of the tile before are not stored
+        mo = gl.arange(0, BM, layout=gl.SliceLayout(0, mma_l))
+        store_output(acc, no, mo, x_ptr, wenc_ptr, xenc_ptr, wenc_ptr, ws_ptr, M, N, N, j,
                      False, HAS_XENC, True)
     async_copy.wait_group(0)
 
@@ -207,7 +214,7 @@ def config(m: int, n: int, k: int, sms: int = 132, per_sm: Optional[int] = None)
 
 
 def _seen_key(m: int, n: int, k: int, sms: int, device: torch.device, dtype: torch.dtype, w4a4: bool) -> tuple:
-    return mma.config(m, n, k, sms)[:4] + (device, dtype, w4a4)
+    return mma.config(m, n, k, sms)[:4] + (device, dtype, w4a4, MAXNREG)
 
 
 def chosen(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
@@ -319,7 +326,8 @@ def _kernel_options(cfg: tuple, x2: torch.Tensor, x_enc, trigger: bool) -> dict:
     bn, bm, bk, warps, stages, _ = cfg
     wl, sl, xl, sc, xc = _tile_layouts(bn, bm, bk, warps)
     return dict(HAS_XENC=x_enc is not None, STAGES=int(stages), BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl,
-                XL=xl, SC=sc, XC=xc, TRIGGER=trigger, MUL=mma.MULDEC and x2.dtype == torch.bfloat16, num_warps=warps)
+                XL=xl, SC=sc, XC=xc, TRIGGER=trigger, MUL=mma.MULDEC and x2.dtype == torch.bfloat16, num_warps=warps,
+                **({"maxnreg": int(MAXNREG)} if MAXNREG else {}))
 
 
 def _kernel_args(x2, words, sbits, enc, x_enc, ws, cfg: tuple) -> tuple:
@@ -366,10 +374,10 @@ _READY: dict = {}
 
 
 def _self_test(device: torch.device) -> Optional[str]:
-    """Partial row tiles, tiles shared by several programs, 128- and 64-wide K steps, M = 5 / 16 / 40,
-    fp16."""
+    """Moved last tiles (N = 200, 1000 in 64- / 128-row tiles) and N under one tile (40), tiles shared by
+    several programs, 128- and 64-wide K steps, M = 3 / 5 / 13 / 16 / 40, fp16."""
     cases = ((5, 200, 2048, torch.bfloat16), (16, 1000, 4096, torch.bfloat16), (40, 200, 1152, torch.bfloat16),
-             (13, 200, 1088, torch.float16), (16, 4096, 1024, torch.bfloat16))
+             (13, 200, 1088, torch.float16), (16, 4096, 1024, torch.bfloat16), (3, 40, 1024, torch.bfloat16))
     return mma.product_check(matmul, cases, device)
 
 
