@@ -108,6 +108,34 @@ def test_resident_programs():
 
 
 @in_main
+@pytest.mark.parametrize("regs,cap_regs,want", [(140, 128, (4, 128)), (120, None, (4, 0)), (140, 136, (3, 0))])
+def test_register_cap_is_taken_only_where_it_keeps_four_programs(monkeypatch, regs, cap_regs, want):
+    """MAXNREG = None: a build over 128 registers (3 programs of 4 warps an SM) is rebuilt with a 128 cap and
+    that cap kept where its build holds 4; the grid and the launch follow what was kept."""
+    from fp4ptq.kernels import _common
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            return kwargs.get("maxnreg", 0)
+
+    monkeypatch.setattr(sk, "_streamk_kernel", Kernel())
+    monkeypatch.setattr(sk, "_resident", lambda cap, warps, device: (
+        sk.resident_programs(cap_regs if cap else regs, 39936, warps), cap_regs if cap else regs, 39936))
+    monkeypatch.setattr(_common, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(sk, "_PER_SM_SEEN", {})
+    launched = []
+    monkeypatch.setattr(sk, "Launch", lambda kernel, grid, args, slots, kwargs: launched.append((grid, kwargs)))
+    m, n, k = 16, 57344, 8192
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    words, sbits, enc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 16, dtype=torch.uint8), torch.ones(1)
+    sk._learn_per_sm(x, words, sbits, enc, None)
+    assert sk.chosen(m, n, k, x.device)["per_sm"] == want[0] and sk.chosen(m, n, k, x.device)["maxnreg"] == want[1]
+    sk.launches(x, words, sbits, enc, None, None, torch.zeros(m, n, dtype=torch.bfloat16))
+    (grid, kwargs), _ = launched
+    assert grid == (132 * want[0],) and kwargs.get("maxnreg", 0) == want[1]
+
+
+@in_main
 def test_guard_refuses_what_it_cannot_take():
     w = torch.zeros(8, 1040 // 8, dtype=torch.int32)
     s = torch.zeros(8, 1040 // 16, dtype=torch.uint8)

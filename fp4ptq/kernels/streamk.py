@@ -46,9 +46,12 @@ from .mma import _copy, _launch_dependents, _operands, _sync, store_output
 
 MAX_M = 64
 PER_SM = {2: 8, 4: 4}  # programs an SM holds before the compiled kernel says (warps -> count; 128 registers)
-MAXNREG = 0  # a register cap for the kernel (0: the compiler's choice); 128 keeps 4 programs of 4 warps an SM
+# The register cap: None (auto) compiles without one and, where that build holds fewer programs an SM than
+# ``PER_SM`` (more than 128 registers: mma.py's own 4-warp build has exactly 128 on the H200), with the cap
+# that holds ``PER_SM``; 0: never a cap; a number: that cap.
+MAXNREG: Optional[int] = None
 LEAST_K = 512  # the least K a program takes where the steps do not fill c * SMs programs (mma.py keeps 1024)
-_PER_SM_SEEN: dict = {}  # (tile key, device) -> (programs an SM, registers, shared bytes) of the compiled kernel
+_PER_SM_SEEN: dict = {}  # (tile, device, dtype, W4A4, MAXNREG) -> (programs an SM, cap, registers, shared bytes)
 
 
 @gluon.jit
@@ -225,10 +228,15 @@ def chosen(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = to
     from ._common import _sm_count
 
     sms = _sm_count(device)
-    per_sm, regs, smem = _PER_SM_SEEN.get(_seen_key(m, n, k, sms, device, dtype, w4a4)) or (None, None, None)
+    per_sm, cap, regs, smem = _PER_SM_SEEN.get(_seen_key(m, n, k, sms, device, dtype, w4a4)) or (None,) * 4
     cfg = config(m, n, k, sms, per_sm)
-    return {"config": cfg, "per_sm": per_sm, "registers": regs, "shared_bytes": smem,
-            "slots": slots(cdiv(n, cfg[0]), k // cfg[2], cfg[5]), "sms": sms}
+    return {"config": cfg, "per_sm": per_sm, "maxnreg": cap if per_sm else _cap(), "registers": regs,
+            "shared_bytes": smem, "slots": slots(cdiv(n, cfg[0]), k // cfg[2], cfg[5]), "sms": sms}
+
+
+def _cap() -> int:
+    """The cap a build takes before (or without) learning the compiled kernel's registers."""
+    return int(MAXNREG or 0)
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -281,20 +289,21 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     if not supports(m, n, k):
         raise ValueError(f"the streamk path takes 1 <= M <= {MAX_M} and K % 64 == 0, got M={m}, N={n}, K={k}")
     sms = _sm_count(x2.device)
+    seen = _PER_SM_SEEN.get(_seen_key(m, n, k, sms, x2.device, x2.dtype, x_enc is not None))
+    cap = seen[1] if seen else _cap()
     if cfg is None:
-        key = _seen_key(m, n, k, sms, x2.device, x2.dtype, x_enc is not None)
-        cfg = config(m, n, k, sms, (_PER_SM_SEEN.get(key) or (None,))[0])
+        cfg = config(m, n, k, sms, seen[0] if seen else None)
     bn, bm, bk, warps, stages, g = cfg
     steps, tiles = k // bk, cdiv(n, bn)
     total = tiles * steps
     if bm < m or bn % (16 * warps) or not 0 < g <= total or stages < 2:
         raise ValueError(f"streamk: config {cfg} does not tile M={m}, N={n}, K={k}")
-    if (total + 1) * g >= 1 << 31:
+    if total * (g + 1) >= 1 << 31:  # (the kernels' (x + 1) * G + TOTAL - 1 and pid * TOTAL stay in int32)
         raise ValueError(f"streamk: {total} steps on {g} programs overflow its 32-bit schedule (N={n}, K={k})")
     j = slots(tiles, steps, g)
     trigger = split_pdl(x2.device)
     launch = Launch(_streamk_kernel, (g,), _kernel_args(x2, words, sbits, enc, x_enc, None, cfg), slots_,
-                    _kernel_options(cfg, x2, x_enc, trigger))
+                    _kernel_options(cfg, x2, x_enc, trigger, cap))
     has_bias = bias is not None
 
     def finisher(pdl: bool):
@@ -322,12 +331,12 @@ def _tile_layouts(bn: int, bm: int, bk: int, warps: int):
     return _LAYOUTS[key]
 
 
-def _kernel_options(cfg: tuple, x2: torch.Tensor, x_enc, trigger: bool) -> dict:
+def _kernel_options(cfg: tuple, x2: torch.Tensor, x_enc, trigger: bool, cap: int) -> dict:
     bn, bm, bk, warps, stages, _ = cfg
     wl, sl, xl, sc, xc = _tile_layouts(bn, bm, bk, warps)
     return dict(HAS_XENC=x_enc is not None, STAGES=int(stages), BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl,
                 XL=xl, SC=sc, XC=xc, TRIGGER=trigger, MUL=mma.MULDEC and x2.dtype == torch.bfloat16, num_warps=warps,
-                **({"maxnreg": int(MAXNREG)} if MAXNREG else {}))
+                **({"maxnreg": int(cap)} if cap else {}))
 
 
 def _kernel_args(x2, words, sbits, enc, x_enc, ws, cfg: tuple) -> tuple:
@@ -340,8 +349,10 @@ def _kernel_args(x2, words, sbits, enc, x_enc, ws, cfg: tuple) -> tuple:
 
 
 def _learn_per_sm(x2, words, sbits, enc, x_enc) -> None:
-    """Compile the kernel for this call's tile (once a tile and device, no launch) and keep how many
-    of its programs an SM holds, so that ``config`` sizes the grid to what is resident at once."""
+    """Compile the kernel for this call's tile (once a tile, device, dtype and kind; no launch) and keep
+    how many of its programs an SM holds, so that ``config`` sizes the grid to what is resident at once;
+    with ``MAXNREG = None``, where that is fewer than ``PER_SM``, the register cap that holds ``PER_SM``
+    (kept if its build does)."""
     from ._common import _sm_count, split_pdl
 
     m, k = x2.shape
@@ -350,14 +361,25 @@ def _learn_per_sm(x2, words, sbits, enc, x_enc) -> None:
     key = _seen_key(m, n, k, sms, x2.device, x2.dtype, x_enc is not None)
     if key in _PER_SM_SEEN:
         return
-    _PER_SM_SEEN[key] = None
     cfg = config(m, n, k, sms)
-    try:
-        compiled = _streamk_kernel.warmup(*_kernel_args(x2, words, sbits, enc, x_enc, enc, cfg), grid=(cfg[5],),
-                                          **_kernel_options(cfg, x2, x_enc, split_pdl(x2.device)))
-    except Exception:  # noqa: BLE001 - no warmup in this Triton: the default count stays
-        return
-    _PER_SM_SEEN[key] = _resident(compiled, cfg[3], x2.device)
+    warps = cfg[3]
+
+    def fit(cap: int):
+        try:
+            compiled = _streamk_kernel.warmup(*_kernel_args(x2, words, sbits, enc, x_enc, enc, cfg), grid=(cfg[5],),
+                                              **_kernel_options(cfg, x2, x_enc, split_pdl(x2.device), cap))
+        except Exception:  # noqa: BLE001 - no warmup in this Triton: the default count stays
+            return None
+        got = _resident(compiled, warps, x2.device)
+        return None if got is None else (got[0], cap) + got[1:]
+
+    seen = fit(_cap())
+    want = PER_SM.get(warps, 2)
+    if MAXNREG is None and seen is not None and seen[0] < want:
+        capped = fit(65536 // (want * warps * 32) // 8 * 8)
+        if capped is not None and capped[0] >= want:
+            seen = capped
+    _PER_SM_SEEN[key] = seen  # (None: this Triton did not say; PER_SM's guess and no cap stay)
 
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
