@@ -3,18 +3,20 @@ launch around mma.py's decode and ``mma.sync`` step (issue 44 item 2). Gluon; CU
 bf16 or fp16 activations, M <= 64, K % 64 == 0. A forced path ("streamk") only: the dispatch does not
 pick it until the H200 measured it ahead of mma.py (see ``dispatch.RULES``).
 
-Why (benchmarks/NOTES.md, "issue 44 item 2"): mma.py launches one program per row tile and K range,
-about three a SM's worth, and every form of its inner loop tried plateaus at 119-127 us on 70B
-gate_up at M = 16. Its 448 programs of 128 rows (one K range each) sit 3 or 4 to an SM (3.39 on
-average), so while the SMs are issue-bound the ones holding 4 set the time: about 85% of the SMs'
-issue is usable; and every program fills and drains its own copy ring. Here:
+Why (benchmarks/NOTES.md, "Issue 44 item 2"): mma.py launches one program per row tile and K range,
+about three an SM's worth, and every form of its step tried plateaus at 119-127 us on 70B gate_up at
+M = 16, latency-bound. Its 448 programs of 128 rows sit 3 or 4 to an SM (3.39 on average), and the SMs
+holding 4 (256 K steps against 217 on average) set the time. Here:
 
-* The grid is the GPU: ``c * SMs`` programs (``c`` the programs an SM holds at once, from the
-  compiled kernel's registers and shared memory; ``plan``), none waiting for another.
+* The grid is the GPU: ``c * SMs`` programs (``c`` the programs an SM holds at once, read from the
+  compiled kernel's registers and shared memory: ``_learn_per_sm``, ``resident_programs``; with
+  ``MAXNREG = None`` a 128-register cap where the uncapped build holds fewer than mma.py's 4 of 4 warps),
+  none waiting for another (no spin, no atomics: correct whatever is resident).
 * The work is the flat sequence of (row tile, K step) pairs, tile-major; program ``p`` takes the
   contiguous steps ``[p * total // G, (p + 1) * total // G)``: every program has the same number
   of steps, give or take one, whatever the tile count, and one cp.async ring runs through all of
-  them, across tile boundaries (a step's row tile is ``q // steps``).
+  them, across tile boundaries, its copies walking the sequence by increments (no division a step)
+  with one scalar offset a step as in mma.py (a last tile reaching past N is moved up to end at N).
 * Where a program's steps end a tile, or its range ends, the tile's fp32 partial sums go to the
   workspace ``[J, M, N]`` at slot ``j`` = the program's rank among the tile's programs. A second
   launch (a programmatic dependent on sm_90, as mma.py's summing pass) adds each tile's ``cnt``
@@ -24,9 +26,11 @@ The step itself (loads of words, scale bytes and activations through the ring, t
 into the A operand, the activations' pair order, the exact products summed in fp32, the
 ``2^26 / global_enc`` factor) is mma.py's, unchanged; the numerics are mma.py's K split's.
 
-The Triton interpreter cannot run Gluon: tests/test_m16.py checks the schedule and the summing pass
-(plain Triton, under the interpreter) against a torch model of the kernel, and tests/test_ptx_hashes.py
-compiles the kernel for sm_90 and sm_80. On a GPU the path is used after ``ready`` (a self-test there).
+The Triton interpreter cannot run Gluon: tests/test_m16.py checks the schedule, the copy walk and the
+summing pass (plain Triton, under the interpreter) against a torch model of the kernel, and
+tests/test_ptx_hashes.py compiles the kernel for sm_90 and sm_80. On a GPU the path is used after
+``ready`` (a self-test there: moved last tiles, N under one tile, fp16, 64- and 128-wide K steps).
+Timed by benchmarks/bench_kernels_h200.py at M = 16 (``ours_w4a16_streamk``, ``_r96``).
 """
 from __future__ import annotations
 
