@@ -77,7 +77,7 @@ from .atomic import (  # noqa: F401 - re-exported: fp4ptq.checkpoint is the chec
     clean_leftovers,
     is_model_output,
 )
-from .integrity import (  # noqa: F401 - re-exported
+from .integrity import (
     check_packed_has_config,
     config_hash,
     read_json,
@@ -116,7 +116,7 @@ from .layout import (  # noqa: F401 - re-exported: fp4ptq.checkpoint is the chec
     swap_in_nvfp4,
 )
 from .modules import NVFP4Linear
-from .writer import (  # noqa: F401 - re-exported
+from .writer import (
     _dtype_named,
     compressed_tensors_config,
     divisor_to_multiplier,

@@ -12,8 +12,9 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import xxhash
 

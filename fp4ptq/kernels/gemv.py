@@ -38,7 +38,6 @@ from .gemv_kernels import (  # noqa: F401 - _X_PAIR_* re-exported: the tests run
     _gemv_stream_kernel,
 )
 
-
 # --------------------------------------------------------------------------- #
 # Host side: configs and launches
 # --------------------------------------------------------------------------- #

@@ -7,8 +7,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (BF16_MAG, FP16_MAG, _gdc_launch_dependents, _gdc_wait, _halves, _output_factor, _output_scale,
-                      _pair, _pair_mul, scale_fp32)
+from ._common import (
+    BF16_MAG,
+    FP16_MAG,
+    _gdc_launch_dependents,
+    _gdc_wait,
+    _halves,
+    _output_factor,
+    _output_scale,
+    _pair,
+    _pair_mul,
+    scale_fp32,
+)
 
 
 @triton.jit
