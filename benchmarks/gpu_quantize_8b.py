@@ -216,7 +216,7 @@ class PhaseTimer:
 
 def graph_check(device, rows: int = 4096, cols: int = 4096) -> dict:
     """GPTQ on one random ``[rows, cols]`` layer, eager column loop vs CUDA-graph
-    replay (``FP4PTQ_GPTQ_GRAPHS``): identical codes and scales, and both times."""
+    replay (``gptq(..., graphs=)``): identical codes and scales, and both times."""
     from fp4ptq.methods.gptq import gptq
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -225,17 +225,15 @@ def graph_check(device, rows: int = 4096, cols: int = 4096) -> dict:
     H = X.t() @ X
     out = {"shape": [rows, cols]}
     results = {}
-    for mode in ("0", "1"):
-        os.environ["FP4PTQ_GPTQ_GRAPHS"] = mode
+    for graphs in (False, True):
         for rule in (None, "mse"):
             torch.cuda.synchronize(device)
             t = time.perf_counter()
-            q = gptq(W, H, four_six=rule)
+            q = gptq(W, H, four_six=rule, graphs=graphs)
             torch.cuda.synchronize(device)
-            key = f"{'graph' if mode == '1' else 'eager'}_{rule or 'none'}"
+            key = f"{'graph' if graphs else 'eager'}_{rule or 'none'}"
             out[key + "_s"] = round(time.perf_counter() - t, 3)
             results[key] = q
-    os.environ.pop("FP4PTQ_GPTQ_GRAPHS")
     for rule in ("none", "mse"):
         a, b = results[f"eager_{rule}"], results[f"graph_{rule}"]
         out[f"identical_{rule}"] = bool(torch.equal(a.packed, b.packed) and torch.equal(

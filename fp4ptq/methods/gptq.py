@@ -20,7 +20,6 @@ onto the columns not yet quantized. NVFP4 specifics:
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -128,10 +127,6 @@ def _quantize_columns(buf: _ColumnBuffers, global_enc: torch.Tensor, four_six: O
         buf.err[:, i] = err
 
 
-def _graphs_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("FP4PTQ_GPTQ_GRAPHS", "1") != "0"
-
-
 class _ColumnBlockRunner:
     """Runs ``_quantize_columns`` for each lazy-batch block of one GPTQ call.
 
@@ -140,13 +135,14 @@ class _ColumnBlockRunner:
     warms up the lazily made constants), is then captured into a CUDA graph,
     and every later block of that width copies its inputs into the static
     buffers and replays the graph. The captured kernels are the eager ones, so
-    the codes are the same (``FP4PTQ_GPTQ_GRAPHS=0`` turns graphs off)."""
+    the codes are the same (``graphs=False`` runs every block eagerly)."""
 
-    def __init__(self, rows, block_size, device, global_enc, four_six, code_values, *, once: bool) -> None:
+    def __init__(self, rows, block_size, device, global_enc, four_six, code_values, *, once: bool,
+                 graphs: bool = True) -> None:
         self.rows, self.block_size, self.device = rows, block_size, device
         self.once = once
         self.args = (global_enc, four_six, code_values, once)   # _quantize_columns' arguments after buf
-        self.use_graph = _graphs_enabled(device)
+        self.use_graph = graphs and device.type == "cuda"
         self.graph = None
         self.buffers = {}
 
@@ -194,6 +190,7 @@ def gptq(
     act_order: bool = False,
     scale_choice: str = "loop",
     name: str = "weight",
+    graphs: bool = True,
 ) -> NVFP4Tensor:
     """GPTQ-quantize ``W: [out, in]`` given ``H: [in, in]`` (sum of ``x x^T``
     over calibration inputs) to an ``NVFP4Tensor``.
@@ -206,6 +203,8 @@ def gptq(
     scale_choice: "loop" (4/6 and block scales chosen on the error-updated
                   weights as the loop reaches each group) or "once" (chosen on
                   the original weights before the loop).
+    graphs:       on CUDA, replay each full lazy batch as a CUDA graph (same codes
+                  as eager, faster); False runs every batch eagerly. No effect off CUDA.
     """
     if W.dim() != 2:
         raise NVFP4Error(f"{name}: GPTQ expects a 2-D weight [out, in], got shape {tuple(W.shape)}")
@@ -252,7 +251,7 @@ def gptq(
     # per-column decode is then one lookup (and no per-column host-to-device copy).
     code_values = nvfp4.e2m1_decode(torch.arange(16, dtype=torch.uint8, device=W.device))
     runner = _ColumnBlockRunner(out_features, block_size, W.device, global_enc, four_six, code_values,
-                                once=scale_choice == "once")
+                                once=scale_choice == "once", graphs=graphs)
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
         g1, g2 = i1 // BLOCK_SIZE, i2 // BLOCK_SIZE
