@@ -94,7 +94,7 @@ from .layout import (  # noqa: F401 - re-exported: fp4ptq.checkpoint is the chec
     CT_QUANT_METHOD,
     CT_WEIGHT_ARGS,
     FORMATS,
-    FP4PTQ_KEY,
+    RECORD_KEY,
     HASHES_KEY,
     INDEX_FILE,
     MODELOPT_CONFIG_FILE,
@@ -131,7 +131,7 @@ from .writer import (
 
 def _config_dtype(config_dict: dict) -> torch.dtype:
     """The stored dtype of the unquantized tensors (``fp4ptq.dtype``), else config.json's ``dtype``."""
-    ours = config_dict.get(FP4PTQ_KEY)
+    ours = config_dict.get(RECORD_KEY)
     for name in ((ours or {}).get("dtype") if isinstance(ours, dict) else None,
                  config_dict.get("dtype"), config_dict.get("torch_dtype")):
         dtype = _dtype_named(name)
@@ -271,10 +271,10 @@ def _checked_skeleton(path: Path, dtype: Optional[torch.dtype]) -> tuple:
         raise CheckpointError(f"{where} is not a JSON object; the file is damaged")
     dtype = dtype or _config_dtype(config_dict)
     file_headers = read_headers(checkpoint_files(path))
-    ours = config_dict.get(FP4PTQ_KEY) or {}
+    ours = config_dict.get(RECORD_KEY) or {}
     act_four_six = ours.get("act_four_six") if isinstance(ours, dict) else None
     if act_four_six is not None and not isinstance(act_four_six, (str, dict)):
-        raise CheckpointError(f"{where}: field {FP4PTQ_KEY}.act_four_six is {act_four_six!r}; the file is damaged")
+        raise CheckpointError(f"{where}: field {RECORD_KEY}.act_four_six is {act_four_six!r}; the file is damaged")
     report = read_report_checked(path)
     model = _skeleton(path, dtype)
     headers, qcfg = module_names(model, file_headers, config_dict.get("quantization_config"))

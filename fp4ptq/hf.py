@@ -89,7 +89,7 @@ class FP4PTQHfQuantizer(HfQuantizer):
             qcfg = checkpoint.read_json(config_file).get("quantization_config")
         else:   # config given as an object: use the parsed one
             qcfg = self.quantization_config.quantization_config.model_dump()
-        act_four_six = (getattr(model.config, checkpoint.FP4PTQ_KEY, None) or {}).get("act_four_six")
+        act_four_six = (getattr(model.config, checkpoint.RECORD_KEY, None) or {}).get("act_four_six")
         from .experts import linearize_model
 
         linearize_model(model, device="meta")   # MoE experts as saved: one linear per expert projection

@@ -26,7 +26,7 @@ REPORT_FILE = "fp4ptq_report.json"
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FP4PTQ_KEY = "fp4ptq"   # top-level config.json key for what only fp4ptq reads
+RECORD_KEY = "fp4ptq"   # top-level config.json key for what only fp4ptq reads
 # Tokenizer files copied from a local source model directory when no tokenizer object is given.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

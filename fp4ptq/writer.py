@@ -29,7 +29,7 @@ from .layout import (
     CT_QUANT_METHOD,
     CT_WEIGHT_ARGS,
     FORMATS,
-    FP4PTQ_KEY,
+    RECORD_KEY,
     HASHES_KEY,
     INDEX_FILE,
     MODELOPT_CONFIG_FILE,
@@ -329,7 +329,7 @@ def _config_dict(model: nn.Module, quantization_config: dict, layers: dict, dtyp
     # A quantized tied target (e.g. lm_head tied to the embeddings) is no longer tied.
     if any(target.removesuffix(".weight") in layers for target in _tied_targets(model)):
         config["tie_word_embeddings"] = False
-    config[FP4PTQ_KEY] = {"version": __version__, "act_four_six": _act_four_six(layers), "report": REPORT_FILE,
+    config[RECORD_KEY] = {"version": __version__, "act_four_six": _act_four_six(layers), "report": REPORT_FILE,
                           "dtype": stored}
     return config
 
@@ -472,14 +472,14 @@ def save(
         report["checkpoint"] = {
             "format": format,
             "layout": CT_FORMAT if format == "compressed-tensors" else "modelopt NVFP4",
-            "dtype": config[FP4PTQ_KEY]["dtype"],
+            "dtype": config[RECORD_KEY]["dtype"],
             "files": files,
             "file_bytes": sum(files.values()),
             "tensor_bytes": _tensor_bytes(state, layers),
             "fused_global_scales": "unchecked (no architecture table)" if unshared is None
             else ("shared" if not unshared else f"NOT shared: {unshared}"),
             "tokenizer": tokenizer_source,
-            "act_four_six": config[FP4PTQ_KEY]["act_four_six"],
+            "act_four_six": config[RECORD_KEY]["act_four_six"],
             HASHES_KEY: tensor_hashes([directory / name for name in files]),
             CONFIG_HASH_KEY: config_hash(config),
         }
