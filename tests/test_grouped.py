@@ -181,21 +181,22 @@ def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_routing_and_combine_kernels_compile_for_sm90_and_sm80(arch):
-    """The routing kernels (8, 128 and 256 experts) and the combine compile for sm_90 and sm_80 without
-    spilling to local memory; the combine is built without FMA contraction (its products and sums round as
-    torch's)."""
+    """The routing kernels (8 and 256 experts on sm_90, 256 on sm_80; the chunked three and the one-chunk
+    one) and the combine compile for sm_90 and sm_80 without spilling to local memory; the combine is built without FMA
+    contraction (its products and sums round as torch's)."""
     from compile_target import compile_for
 
     i32 = {name: "*i32" for name in ("hist_ptr", "base_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr",
                                      "token_ptr", "position_ptr")}
     ptrs = dict(i32, idx_ptr="*i64", order_ptr="*i64", valid_ptr="*u8")
-    for e in (8, 128, 256):
+    for e in (8, 256) if arch == 90 else (256,):
         bins, cb, tb, warps = G.route_launch_config(e)
         chunked = {"CHUNK": G.ROUTE_CHUNK, "BINS": bins}
         built = [compile_for(G._route_hist_kernel, ptrs, chunked, arch=arch, num_warps=4),
                  compile_for(G._route_scan_kernel, ptrs, {"BINS": bins, "CB": cb, "TB": tb}, arch=arch,
                              num_warps=warps),
-                 compile_for(G._route_place_kernel, ptrs, chunked, arch=arch, num_warps=4)]
+                 compile_for(G._route_place_kernel, ptrs, chunked, arch=arch, num_warps=4),
+                 compile_for(G._route_one_chunk_kernel, ptrs, dict(chunked, TB=tb), arch=arch, num_warps=warps)]
         assert all(".local" not in b.asm["ptx"] for b in built), (arch, e)
     combine = compile_for(G._combine_kernel, dict(ptrs, y_ptr="*bf16", w_ptr="*bf16", out_ptr="*i16"),
                           {"K": 8, "BLOCK_N": 512, "OUT_BF16": True}, arch=arch, num_warps=4, enable_fp_fusion=False)
@@ -292,17 +293,19 @@ def _same_routing(a, b):
             assert x == y, (f.name, x, y)
 
 
-# (tokens, k, experts, block_m): a single token, odd E, E = 256 (DeepSeek-V3), k = 1 and 8, P past one
-# chunk and not a multiple of it (300, 400), block_m 1, 4, 16, 32 and the default
-ROUTE_CASES = [(1, 1, 5, None), (1, 8, 256, None), (7, 2, 7, 2), (300, 1, 5, None), (50, 8, 256, 32),
-               (40, 3, 7, 16), (100, 4, 1, None), (9, 2, 2, 1), (33, 8, 256, 4)]
+# (tokens, k, experts, block_m): a single token, odd E, E = 256 (DeepSeek-V3), k = 1 and 8, exactly one
+# chunk (128 pairs), P past one chunk and not a multiple of it (129, 264, 300, 400), block_m 1, 4, 16, 32
+# and the default
+ROUTE_CASES = [(1, 1, 5, None), (1, 8, 256, None), (7, 2, 7, 2), (16, 8, 128, None), (300, 1, 5, None),
+               (50, 8, 256, 32), (43, 3, 7, 16), (100, 4, 1, None), (9, 2, 2, 1), (33, 8, 256, 4)]
 
 
 @interpreted
 def test_route_kernels_equal_the_torch_route():
-    """``route`` on the kernels (three launches) against ``route_reference`` (torch ops), field by field
-    and dtype by dtype, over random routings with slots routed outside [0, E) (>= E and negative), experts
-    without a pair, int64 and int32 indices; and the torch route's ``position`` is ``order``'s inverse."""
+    """``route`` on the kernels (one launch up to 128 pairs, three past it) against ``route_reference``
+    (torch ops), field by field and dtype by dtype, over random routings with slots routed outside [0, E)
+    (>= E and negative), experts without a pair, int64 and int32 indices; and the torch route's
+    ``position`` is ``order``'s inverse."""
     g = torch.Generator().manual_seed(20)
     for tokens, k, e, bm in ROUTE_CASES:
         idx = torch.randint(-2, e + 2, (tokens, k), generator=g)

@@ -16,7 +16,7 @@ gate rows over its up rows (one shared weight global scale). The down projection
 sorted order (no gather).
 
 The glue around the two launches is Triton too on CUDA (torch ops elsewhere, and for ``backend="reference"``):
-``route`` is a stable counting sort in three small launches (``route_triton``; about 15 torch ops cost more
+``route`` is a stable counting sort in three small launches, one at decode (``route_triton``; about 15 torch ops cost more
 than both GEMMs at decode), and ``combine`` the weighted sum of each token's k rows in one launch reading y
 through the inverse permutation (``Routing.position``); each equals its torch form bit for bit.
 
@@ -232,7 +232,8 @@ def route_reference(top_k_index: torch.Tensor, num_experts: int, block_m: Option
 # expert, so they sort last; E + 1 for the lanes past P, never placed) in chunks of ROUTE_CHUNK pairs.
 # (a) each chunk's histogram over BINS >= E + 2 bins; (b) one program: the totals, the offsets, each
 # chunk's first position for each key, and the tile arrays over the host's upper bound; (c) each chunk
-# places its pairs at its base for their key plus their rank among the chunk's pairs of that key.
+# places its pairs at its base for their key plus their rank among the chunk's pairs of that key. Pairs
+# that fit one chunk (decode: up to 16 tokens at top-8) take one launch doing all three.
 ROUTE_CHUNK = 128
 
 
@@ -253,23 +254,13 @@ def _route_hist_kernel(idx_ptr, hist_ptr, P, E, CHUNK: tl.constexpr, BINS: tl.co
 
 
 @triton.jit
-def _route_scan_kernel(hist_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, C, E, TILES, BM,
-                       BINS: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
+def _route_offsets_and_tiles(total, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM,
+                             BINS: tl.constexpr, TB: tl.constexpr):
+    """From each key's pair count ``total [BINS]``: store the offsets and the tile arrays; return each
+    key's first sorted position."""
     b = tl.arange(0, BINS)
-    total = tl.zeros((BINS,), dtype=tl.int32)
-    for c0 in range(0, C, CB):
-        rows = c0 + tl.arange(0, CB)
-        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=(rows < C)[:, None], other=0)
-        total += tl.sum(blk, 0)
-    start = tl.cumsum(total, 0) - total                  # each key's first sorted position
+    start = tl.cumsum(total, 0) - total
     tl.store(offsets_ptr + b, start, mask=b <= E)
-    run = start
-    for c0 in range(0, C, CB):
-        rows = c0 + tl.arange(0, CB)
-        ok = (rows < C)[:, None]
-        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=ok, other=0)
-        tl.store(base_ptr + rows[:, None] * BINS + b[None, :], run[None, :] + tl.cumsum(blk, 0) - blk, mask=ok)
-        run += tl.sum(blk, 0)
     expert = b < E
     ntiles = tl.where(expert, (total + BM - 1) // BM, 0)
     cum = tl.cumsum(ntiles, 0)
@@ -282,6 +273,48 @@ def _route_scan_kernel(hist_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_ro
         row = t * BM + tl.sum(tl.where(hit, start[None, :] - first[None, :] * BM, 0), 1)
         tl.store(tile_expert_ptr + t, tl.where(te < E, te, -1), mask=t < TILES)
         tl.store(tile_row_ptr + t, row, mask=t < TILES)
+    return start
+
+
+@triton.jit
+def _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K):
+    tl.store(order_ptr + pos, i.to(tl.int64), mask=ok)
+    tl.store(token_ptr + pos, i // K, mask=ok)
+    tl.store(valid_ptr + pos, (key < E).to(tl.uint8), mask=ok)
+    tl.store(position_ptr + i, pos, mask=ok)
+
+
+@triton.jit
+def _route_scan_kernel(hist_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, C, E, TILES, BM,
+                       BINS: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
+    b = tl.arange(0, BINS)
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=(rows < C)[:, None], other=0)
+        total += tl.sum(blk, 0)
+    run = _route_offsets_and_tiles(total, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM, BINS, TB)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        ok = (rows < C)[:, None]
+        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=ok, other=0)
+        tl.store(base_ptr + rows[:, None] * BINS + b[None, :], run[None, :] + tl.cumsum(blk, 0) - blk, mask=ok)
+        run += tl.sum(blk, 0)
+
+
+@triton.jit
+def _route_one_chunk_kernel(idx_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, order_ptr, token_ptr, valid_ptr,
+                            position_ptr, P, E, K, TILES, BM,
+                            CHUNK: tl.constexpr, BINS: tl.constexpr, TB: tl.constexpr):
+    """All of ``route`` in one program when the pairs fit one chunk (decode): a pair's position is the
+    count of pairs with a smaller key plus the earlier pairs with its key."""
+    i, ok, key = _route_keys(idx_ptr, 0, P, E, CHUNK)
+    _route_offsets_and_tiles(tl.histogram(key, BINS), offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM,
+                             BINS, TB)
+    lane = tl.arange(0, CHUNK)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (lane[None, :] < lane[:, None]))
+    pos = tl.sum(before.to(tl.int32), 1)
+    _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K)
 
 
 @triton.jit
@@ -293,10 +326,7 @@ def _route_place_kernel(idx_ptr, base_ptr, order_ptr, token_ptr, valid_ptr, posi
     same_before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(same_before.to(tl.int32), 1)           # stable: the chunk's earlier pairs of the same key
     pos = tl.load(base_ptr + c * BINS + key, mask=ok, other=0) + rank
-    tl.store(order_ptr + pos, i.to(tl.int64), mask=ok)
-    tl.store(token_ptr + pos, i // K, mask=ok)
-    tl.store(valid_ptr + pos, (key < E).to(tl.uint8), mask=ok)
-    tl.store(position_ptr + i, pos, mask=ok)
+    _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K)
 
 
 def route_launch_config(num_experts: int) -> tuple:
@@ -306,8 +336,8 @@ def route_launch_config(num_experts: int) -> tuple:
 
 
 def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> Routing:
-    """``route`` as three launches (histograms, scan, placement): no host synchronization, deterministic,
-    the same ``Routing`` as ``route_reference``."""
+    """``route`` as three launches (histograms, scan, placement; one launch where the pairs fit one chunk):
+    no host synchronization, deterministic, the same ``Routing`` as ``route_reference``."""
     tokens, k = top_k_index.shape
     dev = top_k_index.device
     pairs = tokens * k
@@ -318,8 +348,6 @@ def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[
         idx = idx.contiguous().long()
     bins, cb, tb, warps = route_launch_config(num_experts)
     chunks = cdiv(pairs, ROUTE_CHUNK)
-    hist = torch.empty((chunks, bins), dtype=torch.int32, device=dev)
-    base = torch.empty_like(hist)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(bound, dtype=torch.int32, device=dev)
     tile_row = torch.empty(bound, dtype=torch.int32, device=dev)
@@ -327,11 +355,18 @@ def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[
     token = torch.empty(pairs, dtype=torch.int32, device=dev)
     valid = torch.empty(pairs, dtype=torch.bool, device=dev)
     position = torch.empty(pairs, dtype=torch.int32, device=dev)
-    _route_hist_kernel[(chunks,)](idx, hist, pairs, num_experts, CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
-    _route_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, bound, bm,
-                             BINS=bins, CB=cb, TB=tb, num_warps=warps)
-    _route_place_kernel[(chunks,)](idx, base, order, token, valid.view(torch.uint8), position, pairs, num_experts, k,
-                                   CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+    placed = (order, token, valid.view(torch.uint8), position)
+    if chunks == 1:  # decode: one launch
+        _route_one_chunk_kernel[(1,)](idx, offsets, tile_expert, tile_row, *placed, pairs, num_experts, k, bound, bm,
+                                     CHUNK=ROUTE_CHUNK, BINS=bins, TB=tb, num_warps=warps)
+    else:
+        hist = torch.empty((chunks, bins), dtype=torch.int32, device=dev)
+        base = torch.empty_like(hist)
+        _route_hist_kernel[(chunks,)](idx, hist, pairs, num_experts, CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+        _route_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, bound, bm,
+                                 BINS=bins, CB=cb, TB=tb, num_warps=warps)
+        _route_place_kernel[(chunks,)](idx, base, *placed, pairs, num_experts, k, CHUNK=ROUTE_CHUNK, BINS=bins,
+                                       num_warps=4)
     return Routing(order, token, offsets, tile_expert, tile_row, valid, bm, position)
 
 
