@@ -14,7 +14,8 @@ token, softmax weights; seeded). Each implementation runs the whole experts comp
   the host knows each expert's rows): only the GEMMs differ.
 
 Each row also times the glue alone: ``route_us`` / ``combine_us`` (the Triton kernels both layers use) against
-``route_torch_us`` / ``combine_torch_us`` (``route_reference`` / ``combine_reference``, the torch ops they replace).
+``route_torch_us`` / ``combine_torch_us`` (``route_reference`` / ``combine_reference``, the torch ops they replace),
+and ``route_equal`` / ``combine_equal``: the kernels' outputs equal the torch ops' (every field; bit for bit).
 
 Every time is the median of CUDA-graph replays of 10 calls (``harness.graph_us``), the peers interleaved in
 ``ROUNDS`` rounds. Before timing, each output is checked against its reference: ours against the loop over
@@ -182,14 +183,20 @@ def run(args) -> dict:
 
 
 def _glue_times(hidden, index, weights, experts) -> dict:
-    """The routing and the combine alone: the kernels (both layers' glue) and the torch ops they replace."""
+    """The routing and the combine alone: the kernels (both layers' glue) and the torch ops they replace,
+    and whether the kernels' outputs equal the torch ops' (every ``Routing`` field; the combine bit for bit)."""
     import torch
 
     from fp4ptq.kernels import grouped
 
     r = grouped.route(index, experts)
+    ref = grouped.route_reference(index, experts)
     y = torch.randn(r.pairs, hidden.shape[1], device=hidden.device).to(hidden.dtype)
-    return {"route_us": harness.graph_us(lambda: grouped.route(index, experts)),
+    same = all(torch.equal(getattr(r, f), getattr(ref, f)) and getattr(r, f).dtype == getattr(ref, f).dtype
+               for f in ("order", "token", "offsets", "tile_expert", "tile_row", "valid", "position"))
+    return {"route_equal": same and r.block_m == ref.block_m,
+            "combine_equal": torch.equal(grouped.combine(y, r, weights), grouped.combine_reference(y, r, weights)),
+            "route_us": harness.graph_us(lambda: grouped.route(index, experts)),
             "route_torch_us": harness.graph_us(lambda: grouped.route_reference(index, experts)),
             "combine_us": harness.graph_us(lambda: grouped.combine(y, r, weights)),
             "combine_torch_us": harness.graph_us(lambda: grouped.combine_reference(y, r, weights))}
@@ -342,11 +349,11 @@ def markdown(res: dict) -> str:
     lines += harness.md_table(head, cells)
     glue = [r for r in res["rows"] if "route_us" in r]
     if glue:  # the routing and the combine alone: the kernels both layers use, the torch ops they replace
-        lines += ["", "| layer | tokens | route kernels (us) | route torch (us) | combine kernel (us) | combine torch (us) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| layer | tokens | route kernels (us) | route torch (us) | combine kernel (us) | combine torch (us) "
+                  "| equal to torch (route / combine) |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {LABELS.get(r['layer'], r['layer'])} | {r['tokens']} | {_us(r.get('route_us'))} | "
-                  f"{_us(r.get('route_torch_us'))} | {_us(r.get('combine_us'))} | {_us(r.get('combine_torch_us'))} |"
-                  for r in glue]
+                  f"{_us(r.get('route_torch_us'))} | {_us(r.get('combine_us'))} | {_us(r.get('combine_torch_us'))} | "
+                  f"{r.get('route_equal')} / {r.get('combine_equal')} |" for r in glue]
     goals = verdicts(res)
     if goals:
         lines += ["", "| goal (issue 44) | measured | met |", "|---|---|---|"]

@@ -196,7 +196,7 @@ def test_routing_and_combine_kernels_compile_for_sm90_and_sm80(arch):
                  compile_for(G._route_scan_kernel, ptrs, {"BINS": bins, "CB": cb, "TB": tb}, arch=arch,
                              num_warps=warps),
                  compile_for(G._route_place_kernel, ptrs, chunked, arch=arch, num_warps=4),
-                 compile_for(G._route_one_chunk_kernel, ptrs, dict(chunked, TB=tb), arch=arch, num_warps=warps)]
+                 compile_for(G._route_one_chunk_kernel, ptrs, dict(chunked, TB=tb), arch=arch, num_warps=4)]
         assert all(".local" not in b.asm["ptx"] for b in built), (arch, e)
     combine = compile_for(G._combine_kernel, dict(ptrs, y_ptr="*bf16", w_ptr="*bf16", out_ptr="*i16"),
                           {"K": 8, "BLOCK_N": 512, "OUT_BF16": True}, arch=arch, num_warps=4, enable_fp_fusion=False)
@@ -398,7 +398,8 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
             for s in B.SCHEMES:
                 row.update({f"{s}_us": 100.0 / speed, f"{s}_x_bf16": speed, f"{s}_rel_err": 2e-3})
             rows.append(row)
-    rows[0].update(route_us=7.5, route_torch_us=62.5, combine_us=4.0, combine_torch_us="RuntimeError('y')")
+    rows[0].update(route_us=7.5, route_torch_us=62.5, combine_us=4.0, combine_torch_us="RuntimeError('y')",
+                   route_equal=True, combine_equal=True)
     rows[-1]["w4a4_46_us"] = "RuntimeError('x')"
     del rows[-1]["w4a4_46_x_bf16"]
     path = tmp_path / "moe_h200.json"
@@ -407,7 +408,7 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
     md = (tmp_path / "moe_h200.md").read_text()
     assert "| Mixtral-8x7B | 4096 | 8/8 | 100.0 | grouped_mm | 105.3 | 0.95x |" in md
     assert "| failed | - |" in md
-    assert "| Qwen3-30B-A3B | 1 | 7.5 | 62.5 | 4.0 | failed |" in md and md.count("| 16 | 7.5 |") == 0
+    assert "| Qwen3-30B-A3B | 1 | 7.5 | 62.5 | 4.0 | failed | True / True |" in md and md.count("| 16 | 7.5 |") == 0
     assert "| Qwen3-30B-A3B: decode (<= 16 tokens) >= 2.5x bf16 | 2.40x (worst) | not met |" in md
     assert "| Mixtral-8x7B: 4096 tokens >= 0.9x bf16 | 0.95x | met |" in md
     assert (tmp_path / "moe_h200.png").read_bytes()[:4] == b"\x89PNG"

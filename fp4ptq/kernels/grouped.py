@@ -330,8 +330,11 @@ def _route_place_kernel(idx_ptr, base_ptr, order_ptr, token_ptr, valid_ptr, posi
 
 
 def route_launch_config(num_experts: int) -> tuple:
-    """(BINS, chunks a step of the scan, tiles a step of the scan, the scan's warps) for E experts."""
-    bins = triton.next_power_of_2(num_experts + 2)
+    """(BINS, chunks a step of the scan, tiles a step of the scan, the scan's warps) for E experts. BINS is
+    at least a warp (Triton lowers ``tl.histogram`` over at least 32 bins) and the kernels that call
+    ``tl.histogram`` run 4 warps, one ROUTE_CHUNK-pair chunk exactly (a layout replicated over more warps
+    would count each pair more than once)."""
+    bins = max(32, triton.next_power_of_2(num_experts + 2))
     return bins, max(1, min(16, 4096 // bins)), max(16, min(128, 8192 // bins)), 4 if bins <= 128 else 8
 
 
@@ -358,7 +361,7 @@ def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[
     placed = (order, token, valid.view(torch.uint8), position)
     if chunks == 1:  # decode: one launch
         _route_one_chunk_kernel[(1,)](idx, offsets, tile_expert, tile_row, *placed, pairs, num_experts, k, bound, bm,
-                                     CHUNK=ROUTE_CHUNK, BINS=bins, TB=tb, num_warps=warps)
+                                     CHUNK=ROUTE_CHUNK, BINS=bins, TB=tb, num_warps=4)
     else:
         hist = torch.empty((chunks, bins), dtype=torch.int32, device=dev)
         base = torch.empty_like(hist)
