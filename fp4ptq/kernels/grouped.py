@@ -188,8 +188,9 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = 
           backend: str = "auto") -> Routing:
     """``Routing`` of ``top_k_index [T, k]`` over ``num_experts`` experts, without waiting for the device
     (no ``.item()``, no data-dependent shapes): capturable in a CUDA graph. On CUDA (and under the Triton
-    interpreter) three small launches (``route_triton``), else (``backend="reference"``) torch ops
-    (``route_reference``); both give the same ``Routing``, field by field."""
+    interpreter) one launch up to ``ROUTE_CHUNK`` pairs, three past it (``route_triton``), else (a CPU
+    tensor, or ``backend="reference"``) torch ops (``route_reference``); both give the same ``Routing``,
+    field by field."""
     if top_k_index.dim() != 2:
         raise nvfp4.NVFP4Error(f"route: top_k_index must be [tokens, k], got shape {tuple(top_k_index.shape)}")
     if num_experts < 1:
