@@ -8,9 +8,14 @@ token, softmax weights; seeded). Each implementation runs the whole experts comp
 
 * ``w4a16``, ``w4a4``, ``w4a4_46`` (W4A4 with Four Over Six activations, rule mse): ``fp4ptq.kernels.moe_experts``,
   two grouped launches (w13 fused) reading only the experts with tokens;
-* ``bf16``: the same sort, gating and sum around ``torch._grouped_mm`` (torch's grouped GEMM, where the
-  installed torch has it; ``bf16_impl`` in the results says which ran) or else one cuBLAS call per expert
-  with tokens (the routing is fixed for the timed graph, so the host knows each expert's rows).
+* ``bf16``: the same glue (``grouped.route``'s kernels, the gating, ``grouped.combine``'s kernel) around
+  ``torch._grouped_mm`` (torch's grouped GEMM, where the installed torch has it; ``bf16_impl`` in the results
+  says which ran) or else one cuBLAS call per expert with tokens (the routing is fixed for the timed graph, so
+  the host knows each expert's rows): only the GEMMs differ.
+
+Each row also times the glue alone: ``route_us`` / ``combine_us`` (the Triton kernels both layers use) against
+``route_torch_us`` / ``combine_torch_us`` (``route_reference`` / ``combine_reference``, the torch ops they replace),
+and ``route_equal`` / ``combine_equal``: the kernels' outputs equal the torch ops' (every field; bit for bit).
 
 Every time is the median of CUDA-graph replays of 10 calls (``harness.graph_us``), the peers interleaved in
 ``ROUNDS`` rounds. Before timing, each output is checked against its reference: ours against the loop over
@@ -57,8 +62,8 @@ def _routing(tokens: int, experts: int, k: int, device, gen):
 
 
 def _bf16_layer(w13, w2, gate):
-    """The bf16 experts: the same sort and sum as ours around torch's grouped GEMM (or a loop of cuBLAS
-    calls). Returns ``(impl name, make(hidden, index, weights) -> fn)``."""
+    """The bf16 experts: the same routing and combine as ours (``grouped.route``, ``grouped.combine``) around
+    torch's grouped GEMM (or a loop of cuBLAS calls). Returns ``(impl name, make(hidden, index, weights) -> fn)``."""
     import torch
 
     from fp4ptq.kernels import grouped
@@ -90,9 +95,7 @@ def _bf16_layer(w13, w2, gate):
             inter = w13.shape[1] // 2
             a = gate(h[:, :inter], h[:, inter:])
             y = mm(a, w2, offs)
-            w = weights.reshape(-1)[rr.order].float()
-            per_pair = torch.empty_like(y, dtype=torch.float32).index_copy_(0, rr.order, y.float() * w[:, None])
-            return per_pair.view(index.shape[0], index.shape[1], -1).sum(1).to(hidden.dtype)
+            return grouped.combine(y, rr, weights, hidden.dtype)
         return fn
 
     return ("grouped_mm" if has_grouped_mm else "loop"), make
@@ -163,6 +166,7 @@ def run(args) -> dict:
                 with torch.no_grad():
                     row["bf16_rel_err"] = harness.rel(y, _fp32_layer(hidden, index, weights, w13b, w2b, gate))
             fns["bf16"] = bf16
+            row.update(_glue_times(hidden, index, weights, experts))
             times = harness.interleaved(fns, args.rounds)
             for label, us in times.items():
                 row[f"{label}_us"] = us
@@ -176,6 +180,26 @@ def run(args) -> dict:
     save()
     write_reports(res, path)
     return res
+
+
+def _glue_times(hidden, index, weights, experts) -> dict:
+    """The routing and the combine alone: the kernels (both layers' glue) and the torch ops they replace,
+    and whether the kernels' outputs equal the torch ops' (every ``Routing`` field; the combine bit for bit)."""
+    import torch
+
+    from fp4ptq.kernels import grouped
+
+    r = grouped.route(index, experts)
+    ref = grouped.route_reference(index, experts)
+    y = torch.randn(r.pairs, hidden.shape[1], device=hidden.device).to(hidden.dtype)
+    same = all(torch.equal(getattr(r, f), getattr(ref, f)) and getattr(r, f).dtype == getattr(ref, f).dtype
+               for f in ("order", "token", "offsets", "tile_expert", "tile_row", "valid", "position"))
+    return {"route_equal": same and r.block_m == ref.block_m,
+            "combine_equal": torch.equal(grouped.combine(y, r, weights), grouped.combine_reference(y, r, weights)),
+            "route_us": harness.graph_us(lambda: grouped.route(index, experts)),
+            "route_torch_us": harness.graph_us(lambda: grouped.route_reference(index, experts)),
+            "combine_us": harness.graph_us(lambda: grouped.combine(y, r, weights)),
+            "combine_torch_us": harness.graph_us(lambda: grouped.combine_reference(y, r, weights))}
 
 
 def _silu_gate(g, u):
@@ -225,6 +249,7 @@ def sweep(args) -> dict:
             offs = r.offsets[1:]
             row = {"layer": layer, "tokens": tokens, "block_m": r.block_m,
                    "route_us": harness.graph_us(lambda: grouped.route(index, experts)),
+                   "route_torch_us": harness.graph_us(lambda: grouped.route_reference(index, experts)),
                    "layer_us": harness.graph_us(lambda: grouped.moe(hidden, index, weights, qs["w13"], qs["w2"], _silu_gate))}
             for proj, (x, gather) in {"w13": (hidden, True), "w2": (inter, False)}.items():
                 sw = qs[proj]
@@ -322,6 +347,13 @@ def markdown(res: dict) -> str:
              f"triton {env.get('triton', '?')}; CUDA-graph replays, median of {res.get('rounds', '?')} rounds)")
     lines = [title, ""]
     lines += harness.md_table(head, cells)
+    glue = [r for r in res["rows"] if "route_us" in r]
+    if glue:  # the routing and the combine alone: the kernels both layers use, the torch ops they replace
+        lines += ["", "| layer | tokens | route kernels (us) | route torch (us) | combine kernel (us) | combine torch (us) "
+                  "| equal to torch (route / combine) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {LABELS.get(r['layer'], r['layer'])} | {r['tokens']} | {_us(r.get('route_us'))} | "
+                  f"{_us(r.get('route_torch_us'))} | {_us(r.get('combine_us'))} | {_us(r.get('combine_torch_us'))} | "
+                  f"{r.get('route_equal')} / {r.get('combine_equal')} |" for r in glue]
     goals = verdicts(res)
     if goals:
         lines += ["", "| goal (issue 44) | measured | met |", "|---|---|---|"]

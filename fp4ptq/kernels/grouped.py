@@ -15,6 +15,11 @@ decoded weight tile ``block_m`` times). Gate and up are one GEMM (w13): the call
 gate rows over its up rows (one shared weight global scale). The down projection reads the pairs in
 sorted order (no gather).
 
+The glue around the two launches is Triton too on CUDA (torch ops elsewhere, and for ``backend="reference"``):
+``route`` is a stable counting sort in three small launches, one at decode (``route_triton``; about 15 torch ops cost more
+than both GEMMs at decode), and ``combine`` the weighted sum of each token's k rows in one launch reading y
+through the inverse permutation (``Routing.position``); each equals its torch form bit for bit.
+
 Numerics, as the dense kernels (``gemm.py``): the weight is decoded to ``code value * block scale``
 (exact in 16 bits), the products summed in fp32 and the sum multiplied by ``2^14 / global_enc`` (one
 correctly rounded scalar per expert). W4A4 quantizes each activation block inside the kernel under the
@@ -136,7 +141,9 @@ class Routing:
     tile_expert: int32 ``[tiles]``: each tile's expert, -1 for the unused tiles of the upper bound.
     tile_row:    int32 ``[tiles]``: each tile's first sorted position.
     valid:       bool ``[P]``: whether the sorted pair belongs to an expert.
-    block_m:     rows a tile."""
+    block_m:     rows a tile.
+    position:    int32 ``[P]``: the sorted position of each pair (the inverse of ``order``; the combine
+                 reads each token's k rows through it)."""
 
     order: torch.Tensor
     token: torch.Tensor
@@ -145,6 +152,7 @@ class Routing:
     tile_row: torch.Tensor
     valid: torch.Tensor
     block_m: int
+    position: Optional[torch.Tensor] = None
 
     @property
     def pairs(self) -> int:
@@ -157,11 +165,46 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
 
 
-def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> Routing:
-    """``Routing`` of ``top_k_index [T, k]`` over ``num_experts`` experts, in torch ops that do not wait
-    for the device (no ``.item()``, no data-dependent shapes): capturable in a CUDA graph."""
+def tile_bound(pairs: int, experts: int, block_m: int) -> int:
+    """The host-known upper bound of tiles: ``cdiv(P, block_m)`` plus one partial tile per active expert."""
+    return cdiv(pairs, block_m) + min(experts, pairs)
+
+
+def _kernels_for(x: torch.Tensor, backend: str, op: str) -> bool:
+    """Whether ``op`` (routing, combine) runs as Triton kernels: ``backend`` "auto" or "triton" on a CUDA
+    tensor or under the interpreter; "reference" (or a CPU tensor under "auto") takes the torch ops."""
+    from . import BACKENDS, BackendUnavailable
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    able = x.is_cuda or INTERPRET
+    if backend == "triton" and not able:
+        raise BackendUnavailable(f"backend='triton' cannot run {op}: the input is on {x.device}, the Triton "
+                                 f"kernels need a CUDA device (or TRITON_INTERPRET=1)")
+    return backend != "reference" and able
+
+
+def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None, *,
+          backend: str = "auto") -> Routing:
+    """``Routing`` of ``top_k_index [T, k]`` over ``num_experts`` experts, without waiting for the device
+    (no ``.item()``, no data-dependent shapes): capturable in a CUDA graph. On CUDA (and under the Triton
+    interpreter) one launch up to ``ROUTE_CHUNK`` pairs, three past it (``route_triton``), else (a CPU
+    tensor, or ``backend="reference"``) torch ops (``route_reference``); both give the same ``Routing``,
+    field by field."""
     if top_k_index.dim() != 2:
         raise nvfp4.NVFP4Error(f"route: top_k_index must be [tokens, k], got shape {tuple(top_k_index.shape)}")
+    if num_experts < 1:
+        raise nvfp4.NVFP4Error(f"route: num_experts must be >= 1, got {num_experts}")
+    if block_m is not None and block_m < 1:
+        raise nvfp4.NVFP4Error(f"route: block_m must be >= 1, got {block_m}")
+    if _kernels_for(top_k_index, backend, "route") and top_k_index.numel():
+        return route_triton(top_k_index, num_experts, block_m)
+    return route_reference(top_k_index, num_experts, block_m)
+
+
+def route_reference(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> Routing:
+    """``route`` in torch ops: a stable argsort of the pairs by expert, the counts, their cumulative sums
+    and a ``searchsorted`` for the tiles."""
     tokens, k = top_k_index.shape
     dev = top_k_index.device
     flat = top_k_index.reshape(-1).long()
@@ -175,14 +218,230 @@ def route(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = 
     bm = block_m or block_m_for(pairs, num_experts)
     tiles = (counts[:num_experts] + bm - 1) // bm
     cum = torch.cumsum(tiles, 0)
-    bound = cdiv(pairs, bm) + min(num_experts, pairs)
-    t = torch.arange(bound, device=dev)
+    t = torch.arange(tile_bound(pairs, num_experts, bm), device=dev)
     te = torch.searchsorted(cum, t, right=True)          # num_experts for the tiles past the last
     te_c = te.clamp(max=num_experts - 1)
     tile_row = offsets[te_c] + (t - (cum - tiles)[te_c]) * bm
+    position = torch.empty(pairs, dtype=torch.int32, device=dev).index_copy_(
+        0, order, torch.arange(pairs, dtype=torch.int32, device=dev))
     return Routing(order, (order // k).to(torch.int32), offsets.to(torch.int32),
                    torch.where(te < num_experts, te, -1).to(torch.int32), tile_row.to(torch.int32),
-                   sorted_key < num_experts, bm)
+                   sorted_key < num_experts, bm, position)
+
+
+# The routing kernels: a stable counting sort of the P pairs by key (the expert; E for the pairs of no
+# expert, so they sort last; E + 1 for the lanes past P, never placed) in chunks of ROUTE_CHUNK pairs.
+# (a) each chunk's histogram over BINS >= E + 2 bins; (b) one program: the totals, the offsets, each
+# chunk's first position for each key, and the tile arrays over the host's upper bound; (c) each chunk
+# places its pairs at its base for their key plus their rank among the chunk's pairs of that key. Pairs
+# that fit one chunk (decode: up to 16 tokens at top-8) take one launch doing all three.
+ROUTE_CHUNK = 128
+
+
+@triton.jit
+def _route_keys(idx_ptr, c, P, E, CHUNK: tl.constexpr):
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ok = i < P
+    v = tl.load(idx_ptr + i, mask=ok, other=0).to(tl.int64)
+    key = tl.where((v >= 0) & (v < E), v, E).to(tl.int32)
+    return i, ok, tl.where(ok, key, E + 1)
+
+
+@triton.jit
+def _route_hist_kernel(idx_ptr, hist_ptr, P, E, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    c = tl.program_id(0)
+    _, _, key = _route_keys(idx_ptr, c, P, E, CHUNK)
+    tl.store(hist_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(key, BINS))
+
+
+@triton.jit
+def _route_offsets_and_tiles(total, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM,
+                             BINS: tl.constexpr, TB: tl.constexpr):
+    """From each key's pair count ``total [BINS]``: store the offsets and the tile arrays; return each
+    key's first sorted position."""
+    b = tl.arange(0, BINS)
+    start = tl.cumsum(total, 0) - total
+    tl.store(offsets_ptr + b, start, mask=b <= E)
+    expert = b < E
+    ntiles = tl.where(expert, (total + BM - 1) // BM, 0)
+    cum = tl.cumsum(ntiles, 0)
+    first = cum - ntiles                                 # each expert's first tile
+    last = b == E - 1                                    # the tiles past the real ones count from the last expert
+    for t0 in range(0, TILES, TB):
+        t = t0 + tl.arange(0, TB)
+        te = tl.sum((expert[None, :] & (cum[None, :] <= t[:, None])).to(tl.int32), 1)
+        hit = expert[None, :] & (first[None, :] <= t[:, None]) & ((t[:, None] < cum[None, :]) | last[None, :])
+        row = t * BM + tl.sum(tl.where(hit, start[None, :] - first[None, :] * BM, 0), 1)
+        tl.store(tile_expert_ptr + t, tl.where(te < E, te, -1), mask=t < TILES)
+        tl.store(tile_row_ptr + t, row, mask=t < TILES)
+    return start
+
+
+@triton.jit
+def _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K):
+    tl.store(order_ptr + pos, i.to(tl.int64), mask=ok)
+    tl.store(token_ptr + pos, i // K, mask=ok)
+    tl.store(valid_ptr + pos, (key < E).to(tl.uint8), mask=ok)
+    tl.store(position_ptr + i, pos, mask=ok)
+
+
+@triton.jit
+def _route_scan_kernel(hist_ptr, base_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, C, E, TILES, BM,
+                       BINS: tl.constexpr, CB: tl.constexpr, TB: tl.constexpr):
+    b = tl.arange(0, BINS)
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=(rows < C)[:, None], other=0)
+        total += tl.sum(blk, 0)
+    run = _route_offsets_and_tiles(total, offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM, BINS, TB)
+    for c0 in range(0, C, CB):
+        rows = c0 + tl.arange(0, CB)
+        ok = (rows < C)[:, None]
+        blk = tl.load(hist_ptr + rows[:, None] * BINS + b[None, :], mask=ok, other=0)
+        tl.store(base_ptr + rows[:, None] * BINS + b[None, :], run[None, :] + tl.cumsum(blk, 0) - blk, mask=ok)
+        run += tl.sum(blk, 0)
+
+
+@triton.jit
+def _route_one_chunk_kernel(idx_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, order_ptr, token_ptr, valid_ptr,
+                            position_ptr, P, E, K, TILES, BM,
+                            CHUNK: tl.constexpr, BINS: tl.constexpr, TB: tl.constexpr):
+    """All of ``route`` in one program when the pairs fit one chunk (decode): a pair's position is the
+    count of pairs with a smaller key plus the earlier pairs with its key."""
+    i, ok, key = _route_keys(idx_ptr, 0, P, E, CHUNK)
+    _route_offsets_and_tiles(tl.histogram(key, BINS), offsets_ptr, tile_expert_ptr, tile_row_ptr, E, TILES, BM,
+                             BINS, TB)
+    lane = tl.arange(0, CHUNK)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (lane[None, :] < lane[:, None]))
+    pos = tl.sum(before.to(tl.int32), 1)
+    _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K)
+
+
+@triton.jit
+def _route_place_kernel(idx_ptr, base_ptr, order_ptr, token_ptr, valid_ptr, position_ptr, P, E, K,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr):
+    c = tl.program_id(0)
+    i, ok, key = _route_keys(idx_ptr, c, P, E, CHUNK)
+    lane = tl.arange(0, CHUNK)
+    same_before = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(same_before.to(tl.int32), 1)           # stable: the chunk's earlier pairs of the same key
+    pos = tl.load(base_ptr + c * BINS + key, mask=ok, other=0) + rank
+    _route_store(i, ok, key, pos, order_ptr, token_ptr, valid_ptr, position_ptr, E, K)
+
+
+def route_launch_config(num_experts: int) -> tuple:
+    """(BINS, chunks a step of the scan, tiles a step of the scan, the scan's warps) for E experts. BINS is
+    at least a warp (Triton lowers ``tl.histogram`` over at least 32 bins) and the kernels that call
+    ``tl.histogram`` run 4 warps, one ROUTE_CHUNK-pair chunk exactly (a layout replicated over more warps
+    would count each pair more than once)."""
+    bins = max(32, triton.next_power_of_2(num_experts + 2))
+    return bins, max(1, min(16, 4096 // bins)), max(16, min(128, 8192 // bins)), 4 if bins <= 128 else 8
+
+
+def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[int] = None) -> Routing:
+    """``route`` as three launches (histograms, scan, placement; one launch where the pairs fit one chunk):
+    no host synchronization, deterministic, the same ``Routing`` as ``route_reference``."""
+    tokens, k = top_k_index.shape
+    dev = top_k_index.device
+    pairs = tokens * k
+    bm = block_m or block_m_for(pairs, num_experts)
+    bound = tile_bound(pairs, num_experts, bm)
+    idx = top_k_index.reshape(-1)
+    if not idx.is_contiguous() or idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.contiguous().long()
+    bins, cb, tb, warps = route_launch_config(num_experts)
+    chunks = cdiv(pairs, ROUTE_CHUNK)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(bound, dtype=torch.int32, device=dev)
+    tile_row = torch.empty(bound, dtype=torch.int32, device=dev)
+    order = torch.empty(pairs, dtype=torch.int64, device=dev)
+    token = torch.empty(pairs, dtype=torch.int32, device=dev)
+    valid = torch.empty(pairs, dtype=torch.bool, device=dev)
+    position = torch.empty(pairs, dtype=torch.int32, device=dev)
+    placed = (order, token, valid.view(torch.uint8), position)
+    if chunks == 1:  # decode: one launch
+        _route_one_chunk_kernel[(1,)](idx, offsets, tile_expert, tile_row, *placed, pairs, num_experts, k, bound, bm,
+                                     CHUNK=ROUTE_CHUNK, BINS=bins, TB=tb, num_warps=4)
+    else:
+        hist = torch.empty((chunks, bins), dtype=torch.int32, device=dev)
+        base = torch.empty_like(hist)
+        _route_hist_kernel[(chunks,)](idx, hist, pairs, num_experts, CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+        _route_scan_kernel[(1,)](hist, base, offsets, tile_expert, tile_row, chunks, num_experts, bound, bm,
+                                 BINS=bins, CB=cb, TB=tb, num_warps=warps)
+        _route_place_kernel[(chunks,)](idx, base, *placed, pairs, num_experts, k, CHUNK=ROUTE_CHUNK, BINS=bins,
+                                       num_warps=4)
+    return Routing(order, token, offsets, tile_expert, tile_row, valid, bm, position)
+
+
+# --------------------------------------------------------------------------- #
+# The combine: each token's k rows weighted and summed in fp32, in slot order
+# --------------------------------------------------------------------------- #
+def combine_reference(y: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor,
+                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``out [T, N]`` (``dtype``, default y's): ``sum_s top_k_weights[t, s] * y[sorted position of (t, s)]``
+    in torch ops: the products in fp32, summed slot 0 + slot 1 + ... from 0 (pairs of no expert add 0)."""
+    tokens, k = top_k_weights.shape
+    w = top_k_weights.reshape(-1)[routing.order].float()
+    contrib = torch.where(routing.valid[:, None], y.float() * w[:, None], 0.0)
+    per_pair = torch.empty_like(contrib).index_copy_(0, routing.order, contrib).view(tokens, k, -1)
+    acc = torch.zeros_like(per_pair[:, 0])
+    for s in range(k):  # explicitly in slot order: torch's sum over k may use several accumulators
+        acc = acc + per_pair[:, s]
+    return acc.to(dtype or y.dtype)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, position_ptr, valid_ptr, out_ptr, N, stride_y, stride_o,
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(K):  # unrolled: the k rows' loads are independent, the sum stays in slot order
+        pair = t * K + s
+        p = tl.load(position_ptr + pair).to(tl.int64)
+        v = (tl.load(valid_ptr + p) + tl.zeros((BLOCK_N,), dtype=tl.uint8)) != 0
+        w = tl.load(w_ptr + pair).to(tl.float32)
+        yv = tl.load(y_ptr + p * stride_y + n, mask=n_ok & v, other=0.0).to(tl.float32)
+        acc = acc + tl.where(v, yv * w, 0.0)        # (built without FMA contraction: torch's roundings)
+    if OUT_BF16:  # round to nearest even by hand (the interpreter's cast truncates); NaN as torch's 0x7FC0
+        bits = acc.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        tl.store(out_ptr + t * stride_o + n, tl.where(nan, 0x7FC0, rounded).to(tl.int16), mask=n_ok)
+    else:
+        tl.store(out_ptr + t * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def combine(y: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, dtype: Optional[torch.dtype] = None,
+            *, backend: str = "auto") -> torch.Tensor:
+    """A MoE layer's weighted sum: ``out [T, N]`` (``dtype``, default y's) with row t the fp32 sum, in slot
+    order, of ``top_k_weights[t, s] * y[p]`` over the slots s, p the sorted position of pair (t, s) (y in
+    sorted order, ``[P, N]``); pairs of no expert add 0 (their rows are never read). One launch on CUDA
+    and under the interpreter, bit-identical to ``combine_reference``."""
+    tokens, k = top_k_weights.shape
+    if y.dim() != 2 or y.shape[0] != routing.pairs or tokens * k != routing.pairs:
+        raise nvfp4.NVFP4Error(f"combine: y [{routing.pairs}, N] and top_k_weights [T, k] with T * k = "
+                               f"{routing.pairs} expected; got {tuple(y.shape)}, {tuple(top_k_weights.shape)}")
+    dtype = dtype or y.dtype
+    if (not _kernels_for(y, backend, "combine") or routing.position is None
+            or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        return combine_reference(y, routing, top_k_weights, dtype)
+    n = y.shape[1]
+    out = torch.empty((tokens, n), dtype=dtype, device=y.device)
+    if tokens == 0 or n == 0:
+        return out
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    w = top_k_weights.contiguous()
+    block_n = min(512, triton.next_power_of_2(n))
+    bf16 = dtype == torch.bfloat16
+    _combine_kernel[(tokens, cdiv(n, block_n))](
+        y, w, routing.position, routing.valid.view(torch.uint8), out.view(torch.int16) if bf16 else out,
+        n, y.stride(0), out.stride(0), K=k, BLOCK_N=block_n, OUT_BF16=bf16, num_warps=4,
+        enable_fp_fusion=False)
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -384,8 +643,8 @@ def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Te
         backend: str = "auto", block_m: Optional[int] = None) -> torch.Tensor:
     """A MoE layer's experts: ``sum_slots top_k_weights[t, s] * down_e(gate(g, u))`` with ``[g | u] =
     w13_e(hidden[t])``, e = ``top_k_index[t, s]`` (slots routed outside ``[0, E)`` add nothing).
-    ``gate(g, u)`` is the layer's gating (``act(g) * u``). Two grouped launches plus the gating and
-    the weighted sum of each token's k rows (fp32, in slot order: deterministic)."""
+    ``gate(g, u)`` is the layer's gating (``act(g) * u``). Two grouped launches plus the routing, the
+    gating and the weighted sum of each token's k rows (``combine``: fp32, in slot order, deterministic)."""
     tokens, k = top_k_index.shape
     if hidden.dim() != 2 or hidden.shape[0] != tokens or top_k_weights.shape != top_k_index.shape:
         raise nvfp4.NVFP4Error(f"moe: hidden [T, H], top_k_index and top_k_weights [T, k] expected; got "
@@ -393,17 +652,23 @@ def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Te
     if w13.out_features % 2 or w2.in_features != w13.out_features // 2:
         raise nvfp4.NVFP4Error(f"moe: w13 [{w13.out_features}, ...] must be gate over up rows feeding "
                                f"w2's {w2.in_features} inputs")
-    r = route(top_k_index, w13.num_experts, block_m)
+    r = route(top_k_index, w13.num_experts, block_m, backend=_glue_backend(hidden, backend))
     gate_up = grouped_linear(hidden, r, w13, gather=True, backend=backend)
     inter = w13.out_features // 2
     act = gate(gate_up[:, :inter], gate_up[:, inter:])
     y = grouped_linear(act.to(hidden.dtype).contiguous(), r, w2, gather=False, backend=backend)
     # back to (token, slot) order; pairs of no expert contribute 0 (their rows were never written)
-    w = top_k_weights.reshape(-1)[r.order].float()
-    contrib = torch.where(r.valid[:, None], y.float() * w[:, None], 0.0)
-    per_pair = torch.empty_like(contrib).index_copy_(0, r.order, contrib)
-    return per_pair.view(tokens, k, -1).sum(1).to(hidden.dtype)
+    return combine(y, r, top_k_weights, hidden.dtype, backend=_glue_backend(hidden, backend))
 
 
-__all__ = ["Routing", "StackedWeight", "block_m_for", "grouped_linear", "grouped_linear_reference", "kernel_config",
-           "moe", "route", "stack_weights"]
+def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
+    """The routing's and the combine's backend in ``moe``: their kernels where the grouped GEMMs run as
+    Triton kernels, the torch ops where the GEMMs take the reference."""
+    from . import triton_unavailable_reason
+
+    return "reference" if backend == "reference" or triton_unavailable_reason(hidden, op="grouped_linear") else "auto"
+
+
+__all__ = ["Routing", "StackedWeight", "block_m_for", "combine", "combine_reference", "grouped_linear",
+           "grouped_linear_reference", "kernel_config", "moe", "route", "route_reference", "route_triton", "stack_weights",
+           "tile_bound"]
