@@ -87,28 +87,25 @@ def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("step", STEPS + [0.0])
-def test_four_six_magnitude_words_are_two_plus_the_reference_magnitude(dtype, step):
+def test_four_six_magnitude_words_are_the_reference_magnitudes(dtype, step):
     """Four Over Six's magnitude count (the seven compares summed with E2M1 step weights) gives per half
-    ``2 + v`` of fl(|x| / step) on every finite pattern, as does the integer count (bf16 below sm_90) through
-    ``_wvalue_asm``; the kept candidate's index word from it is the plain count's word bit for bit (what
-    the pack reads), and its magnitude word ``_value_asm``'s. Step 0: a zero scale (every threshold +inf)."""
+    the magnitude of fl(|x| / step) on every finite pattern, bit for bit ``_value_asm``'s word of the plain
+    count; the kept candidate's index word from it is the plain count's word (what the pack reads).
+    Step 0: a zero scale (every threshold +inf)."""
     f16 = dtype == torch.float16
     words = _pairs(_all_patterns(dtype) & 0x7FFF)
-    ts = _threshold_words(step, dtype, words)
-    w = run_ptx(q16._wcount_asm(f16), words, *ts)
-    count = run_ptx(q16._count_asm(f16), words, *ts)
+    w = run_ptx(q16._wcount_asm(f16), words, *_threshold_words(step, dtype, words))
+    count = run_ptx(q16._count_asm(f16), words, *_threshold_words(step, dtype, words))
+    assert torch.equal(w, run_ptx(q16._value_asm(f16), count))
     xs, xh = _halves(words, dtype)
+    wlo, whi = _halves(w, dtype)
     if step == 0.0:
-        expect_lo = expect_hi = torch.zeros_like(xs)
+        assert torch.all(w == 0)
     else:
         div = torch.tensor(step, dtype=torch.float32)
-        expect_lo = nvfp4.e2m1_rne(xs.float() / div).double()
-        expect_hi = nvfp4.e2m1_rne(xh.float() / div).double()
-    wlo, whi = _halves(w, dtype)
-    assert torch.equal(wlo, expect_lo + 2.0) and torch.equal(whi, expect_hi + 2.0)
-    assert torch.equal(run_ptx(q16._wvalue_asm(f16), run_ptx(q16._count_int_asm(f16), words, *ts)), w)
+        assert torch.equal(wlo, nvfp4.e2m1_rne(xs.float() / div).double())
+        assert torch.equal(whi, nvfp4.e2m1_rne(xh.float() / div).double())
     assert torch.equal(run_ptx(q16._windex_asm(f16), w), count)
-    assert torch.equal(run_ptx(q16._wmag_asm(f16), w), run_ptx(q16._value_asm(f16), count))
 
 
 def test_four_six_index_words_cover_every_magnitude_pair():
@@ -119,7 +116,7 @@ def test_four_six_index_words_cover_every_magnitude_pair():
         base = 0x6400 if f16 else 0x4300
         i = torch.arange(64)
         v = nvfp4.e2m1_decode(torch.arange(8, dtype=torch.uint8)).double()
-        w = _join(v[i % 8] + 2.0, v[i // 8] + 2.0, dtype)
+        w = _join(v[i % 8], v[i // 8], dtype)
         got = run_ptx(q16._windex_asm(f16), w)
         assert torch.equal(got, (base + i % 8) | ((base + i // 8) << 16))
 

@@ -189,18 +189,18 @@ def _pair_const(value: float, f16: bool) -> str:
     return f"0x{h:04X}{h:04X}"
 
 
-# Four Over Six works on "magnitude words": per half ``2 + v`` (v the E2M1 magnitude; exact in both formats,
-# 2..8), from which the reference's ``fl(v * step)`` is one fp32 fma, ``fma(2 + v, step, -2 step)`` (one
-# rounding of the exact ``v * step``), and the index word ``base + i`` of the chosen scale a few packed ops.
+# Four Over Six counts into "magnitude words": per half the E2M1 magnitude ``v`` itself (``_value_asm``'s
+# word), from which the reference's ``fl(v * step)`` is one fp32 product, and the index word ``base + i``
+# of the kept scale a few packed ops.
 _STEPS = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0)  # E2M1 magnitude gained at each of the seven thresholds
 
 
 def _wcount_asm(f16: bool) -> str:
-    """``$0`` = per half ``2 + v``, v the E2M1 magnitude of ``$1`` against the thresholds ``$2..$8``: the
-    seven packed compares of ``_count_asm`` (1.0 where true), each weighted by the step of magnitude it
-    crosses with a packed fma instead of added (the same instruction count; every sum exact)."""
+    """``$0`` = per half the E2M1 magnitude ``v`` of ``$1`` against the thresholds ``$2..$8``: the seven
+    packed compares of ``_count_asm`` (1.0 where true), each weighted by the step of magnitude it crosses
+    with a packed fma instead of added (the same instruction count; every sum exact)."""
     ty = "f16x2" if f16 else "bf16x2"
-    lines = ["{", ".reg .b32 s, c, k;", f"mov.b32 c, {_pair_const(2.0, f16)};"]
+    lines = ["{", ".reg .b32 s, c, k;", "mov.b32 c, 0;"]
     for i, step in enumerate(_STEPS):
         lines.append(f"set.ge.{ty}.{ty} s, $1, ${i + 2}; mov.b32 k, {_pair_const(step, f16)}; "
                      f"fma.rn.{ty} c, s, k, c;")
@@ -208,29 +208,14 @@ def _wcount_asm(f16: bool) -> str:
     return "\n".join(lines)
 
 
-def _wvalue_asm(f16: bool) -> str:
-    """The magnitude word ``2 + v`` of a count word ``base + i`` (``_count_int_asm``'s, bf16 below sm_90):
-    ``max(i / 2 + 2, i, 2i - 6)``, ``_value_asm``'s three packed fmas and two maxes with other constants."""
-    ty = "f16x2" if f16 else "bf16x2"
-    base = 1024.0 if f16 else 128.0
-    k = [_pair_const(c, f16) for c in (0.5, 2.0 - base / 2, 1.0, -base, 2.0, -2.0 * base - 6.0)]
-    return "\n".join([
-        "{", ".reg .b32 a, b, d, k0, k1;",
-        f"mov.b32 k0, {k[0]}; mov.b32 k1, {k[1]}; fma.rn.{ty} a, $1, k0, k1;",
-        f"mov.b32 k0, {k[2]}; mov.b32 k1, {k[3]}; fma.rn.{ty} b, $1, k0, k1;",
-        f"mov.b32 k0, {k[4]}; mov.b32 k1, {k[5]}; fma.rn.{ty} d, $1, k0, k1;",
-        f"max.{ty} a, a, b; max.{ty} $0, a, d;", "}",
-    ])
-
-
 def _windex_asm(f16: bool) -> str:
-    """The count word ``base + i`` (what ``_PACK_ASM`` and ``_value_asm`` read) of a magnitude word
-    ``w = 2 + v``: ``i = min(2w - 4, w, w / 2 + 3)`` (the inverse of ``max(i / 2, i - 2, 2i - 8)``) on
-    ``base``: three packed fmas and two mins. The branch that is the minimum is an integer below
-    ``2 base``, exact; the others round (``w`` has halves) to at least that minimum."""
+    """The count word ``base + i`` (what ``_PACK_ASM`` and ``_value_asm`` read) of a magnitude word ``v``:
+    ``i = min(2v, v + 2, v / 2 + 4)`` (the inverse of ``max(i / 2, i - 2, 2i - 8)``) on ``base``: three
+    packed fmas and two mins. The branch that is the minimum is an integer below ``2 base``, exact; the
+    others round (``v`` has halves) to at least that minimum."""
     ty = "f16x2" if f16 else "bf16x2"
     base = 1024.0 if f16 else 128.0
-    k = [_pair_const(c, f16) for c in (2.0, base - 4.0, 1.0, base, 0.5, base + 3.0)]
+    k = [_pair_const(c, f16) for c in (2.0, base, 1.0, base + 2.0, 0.5, base + 4.0)]
     return "\n".join([
         "{", ".reg .b32 a, b, d, k0, k1;",
         f"mov.b32 k0, {k[0]}; mov.b32 k1, {k[1]}; fma.rn.{ty} a, $1, k0, k1;",
@@ -238,13 +223,6 @@ def _windex_asm(f16: bool) -> str:
         f"mov.b32 k0, {k[4]}; mov.b32 k1, {k[5]}; fma.rn.{ty} d, $1, k0, k1;",
         f"min.{ty} a, a, b; min.{ty} $0, a, d;", "}",
     ])
-
-
-def _wmag_asm(f16: bool) -> str:
-    """The E2M1 magnitude word ``v`` of a magnitude word ``2 + v`` (one packed fma, exact)."""
-    ty = "f16x2" if f16 else "bf16x2"
-    return (f"{{ .reg .b32 k0, k1; mov.b32 k0, {_pair_const(1.0, f16)}; mov.b32 k1, {_pair_const(-2.0, f16)}; "
-            f"fma.rn.{ty} $0, $1, k0, k1; }}")
 
 
 # The packed word of 8 codes from four counts ($1-$4) and the four input words ($5-$8) they came
@@ -324,22 +302,10 @@ _WCOUNT_BF16 = tl.constexpr(_wcount_asm(False))
 _WCOUNT_F16 = tl.constexpr(_wcount_asm(True))
 
 
-_WVALUE_BF16 = tl.constexpr(_wvalue_asm(False))
-
-
-_WVALUE_F16 = tl.constexpr(_wvalue_asm(True))
-
-
 _WINDEX_BF16 = tl.constexpr(_windex_asm(False))
 
 
 _WINDEX_F16 = tl.constexpr(_windex_asm(True))
-
-
-_WMAG_BF16 = tl.constexpr(_wmag_asm(False))
-
-
-_WMAG_F16 = tl.constexpr(_wmag_asm(True))
 
 
 _C9 = tl.constexpr("=r,r,r,r,r,r,r,r,r")
@@ -427,14 +393,11 @@ def _asm1(PTX_BF16: tl.constexpr, PTX_F16: tl.constexpr, a, F16: tl.constexpr):
 
 @triton.jit
 def _wcount(ax, t0, t1, t2, t3, t4, t5, t6, F16: tl.constexpr, ASM: tl.constexpr):
-    """Magnitude word (``2 + v`` per half) of ``ax`` against the thresholds ``t0..t6``."""
-    if ASM == 2:  # the integer-compare count, then its magnitudes
-        w = _asm1(_WVALUE_BF16, _WVALUE_F16, _count(ax, t0, t1, t2, t3, t4, t5, t6, F16, ASM), F16)
-    elif ASM:
+    """Magnitude word (the E2M1 magnitude ``v`` per half) of ``ax`` against the thresholds ``t0..t6``."""
+    if ASM == 1:
         w = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _WCOUNT_BF16, _WCOUNT_F16, F16)
-    else:
-        c = _count(ax, t0, t1, t2, t3, t4, t5, t6, F16, ASM)
-        w = _from_lanes(e2m1_value(c & 7) + 2.0, e2m1_value((c >> 16) & 7) + 2.0, F16)
+    else:  # the integer-compare count (bf16 below sm_90) or the Triton twin, then its magnitudes
+        w = _magnitude(_count(ax, t0, t1, t2, t3, t4, t5, t6, F16, ASM), F16, ASM)
     return w
 
 
@@ -446,21 +409,10 @@ def _windex(w, F16: tl.constexpr, ASM: tl.constexpr):
     else:
         base = 1024 if F16 else 128
         lo, hi = _lanes(w, F16)
-        ilo = tl.minimum(tl.minimum(lo * 2.0 - 4.0, lo), lo * 0.5 + 3.0).to(tl.int32)
-        ihi = tl.minimum(tl.minimum(hi * 2.0 - 4.0, hi), hi * 0.5 + 3.0).to(tl.int32)
+        ilo = tl.minimum(tl.minimum(lo * 2.0, lo + 2.0), lo * 0.5 + 4.0).to(tl.int32)
+        ihi = tl.minimum(tl.minimum(hi * 2.0, hi + 2.0), hi * 0.5 + 4.0).to(tl.int32)
         c = (base + ilo) | ((base + ihi) << 16)
     return c
-
-
-@triton.jit
-def _wmag(w, F16: tl.constexpr, ASM: tl.constexpr):
-    """E2M1 magnitudes (16-bit floats in both halves) of a magnitude word."""
-    if ASM:
-        v = _asm1(_WMAG_BF16, _WMAG_F16, w, F16)
-    else:
-        lo, hi = _lanes(w, F16)
-        v = _from_lanes(lo - 2.0, hi - 2.0, F16)
-    return v
 
 
 @triton.jit
@@ -632,14 +584,12 @@ def _error_step(acc, d, RULE: tl.constexpr):
 
 
 @triton.jit
-def _word_error(acc_lo, acc_hi, w, ax, step, neg2step, F16: tl.constexpr, RULE: tl.constexpr):
-    """Both halves of a magnitude word ``w`` (``2 + v``) and its ``|x|`` word into the running errors:
-    ``fma(2 + v, step, -2 step)`` is the reference's ``fl(v * step)`` (one rounding of the exact
-    product), minus ``|x|`` its ``x_hat - x`` up to sign (exact, as the reference's subtraction)."""
+def _word_error(acc_lo, acc_hi, w, ax, step, F16: tl.constexpr, RULE: tl.constexpr):
+    """Both halves of a magnitude word ``w`` and its ``|x|`` word into the running errors: ``v * step`` is
+    the reference's ``x_hat`` (one fp32 product), minus ``|x|`` its ``x_hat - x`` up to sign."""
     wlo, whi = _lanes(w, F16)
     alo, ahi = _lanes(ax, F16)
-    return (_error_step(acc_lo, tl.fma(wlo, step, neg2step) - alo, RULE),
-            _error_step(acc_hi, tl.fma(whi, step, neg2step) - ahi, RULE))
+    return _error_step(acc_lo, wlo * step - alo, RULE), _error_step(acc_hi, whi * step - ahi, RULE)
 
 
 @triton.jit
@@ -649,17 +599,16 @@ def _block_error(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7,
     high halves, 8 elements each) combined at the end. The per-element ``x_hat - x`` is the
     reference's; only the order of the sum (and the squares' rounding, one fma each) differ from
     ``torch.sum``'s, so the 4/6 choice differs from the reference only at near-ties."""
-    neg2step = step * -2.0
     lo = step * 0.0
     hi = lo
-    lo, hi = _word_error(lo, hi, w0, a0, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w1, a1, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w2, a2, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w3, a3, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w4, a4, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w5, a5, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w6, a6, step, neg2step, F16, RULE)
-    lo, hi = _word_error(lo, hi, w7, a7, step, neg2step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w0, a0, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w1, a1, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w2, a2, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w3, a3, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w4, a4, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w5, a5, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w6, a6, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w7, a7, step, F16, RULE)
     return _combine(lo, hi, RULE)
 
 
@@ -716,7 +665,7 @@ def _quantize16_tile(
                                                        global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
     else:
         # Both candidates as magnitude words (the counts' compares, their sums weighted by E2M1 steps: no
-        # separate magnitudes), each error one fp32 fma, sub and accumulate an element, then the index
+        # separate magnitudes), each error one fp32 product, difference and accumulate an element, then the index
         # words of the kept scale only. bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds
         # the same real number).
         scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
@@ -763,11 +712,11 @@ def _quantize16_tile(
                         _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
             qb = _join4(_scaled(_magnitude(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_magnitude(c5, F16, ASM), s2, w5, F16, ASM),
                         _scaled(_magnitude(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_magnitude(c7, F16, ASM), s2, w7, F16, ASM))
-        else:
-            qa = _join4(_scaled(_wmag(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_wmag(c1, F16, ASM), s2, w1, F16, ASM),
-                        _scaled(_wmag(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_wmag(c3, F16, ASM), s2, w3, F16, ASM))
-            qb = _join4(_scaled(_wmag(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_wmag(c5, F16, ASM), s2, w5, F16, ASM),
-                        _scaled(_wmag(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_wmag(c7, F16, ASM), s2, w7, F16, ASM))
+        else:  # the kept magnitude words
+            qa = _join4(_scaled(c0, s2, w0, F16, ASM), _scaled(c1, s2, w1, F16, ASM), _scaled(c2, s2, w2, F16, ASM),
+                        _scaled(c3, s2, w3, F16, ASM))
+            qb = _join4(_scaled(c4, s2, w4, F16, ASM), _scaled(c5, s2, w5, F16, ASM), _scaled(c6, s2, w6, F16, ASM),
+                        _scaled(c7, s2, w7, F16, ASM))
         tl.store(scaled_ptr + q, qa, mask=mask2[:, :, None])
         tl.store(scaled_ptr + q + 4, qb, mask=mask2[:, :, None])
 
