@@ -459,8 +459,8 @@ def report(path):
             t("quantize >= 75% of copy bandwidth (M*K >= 64M)", f"{m}x{k}", f"{s['TBps']/copy:.0%}",
               s["TBps"] / copy >= 0.75)
             if r:
-                t("quantize 4/6 (mse) <= 10% slower", f"{m}x{k}", f"{r['ms']/s['ms']-1:+.0%}",
-                  r["ms"] / s["ms"] <= 1.10)
+                t("quantize 4/6 (mse) <= 15% slower", f"{m}x{k}", f"{r['ms']/s['ms']-1:+.0%}",
+                  r["ms"] / s["ms"] <= 1.15)
     lines += _floor_section(os.path.join(os.path.dirname(path), "read_floor_h200.json"), get, copy)
     lines += ["", "## Quantize kernel (bf16 activations -> packed codes + e4m3 scales, static amax)", "",
               "| M x K | standard TB/s (% of copy) | mse | mae | max | clone TB/s | mse vs standard |",

@@ -1,5 +1,5 @@
 """A small emulator of the inline PTX blocks of fp4ptq's kernels, for CPU tests: the dozen
-instructions they use, bit for bit (packed 16-bit float compares, adds, FMAs, maxes and products
+instructions they use, bit for bit (packed 16-bit float compares, adds, FMAs, maxes, mins and products
 rounded like the hardware, integer subtractions, shifts, masks and ``lop3``, ``prmt``), on int64
 tensors of 32-bit words."""
 from __future__ import annotations
@@ -106,6 +106,8 @@ def run_ptx_regs(asm: str, inputs: dict) -> dict:
                 lo, hi = (ops[0][j] * ops[1][j] + ops[2][j] for j in (0, 1))
             elif parts[0] == "max":
                 lo, hi = (torch.maximum(ops[0][j], ops[1][j]) for j in (0, 1))
+            elif parts[0] == "min":
+                lo, hi = (torch.minimum(ops[0][j], ops[1][j]) for j in (0, 1))
             else:
                 raise AssertionError(f"emulator: no {op}")
             out = _join(lo, hi, dt)

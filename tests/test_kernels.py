@@ -184,6 +184,71 @@ def test_quantize16_kernel_bit_identical(quant16, dtype, four_six, amax):
     assert ok.all() if four_six in (None, "max") else ok.float().mean() > 0.99
 
 
+def _four_six_exact_blocks(dtype, seed):
+    """Rows of 16-element blocks under the global scale 1 (amax 1536) whose two Four Over Six errors are
+    exact in fp32 under every rule: E4M3 block maxima (normal and subnormal scales, and maxima whose
+    scale-to-6 or scale-to-4 product is an E4M3 rounding midpoint) over elements on a grid of 1/32 of the
+    6-scale, so that the reference's and the kernel's sums agree exactly: many blocks are exact ties
+    (both errors equal: the 6-scale must be kept) or differ by the grid's least unit. Also an all-zero
+    block, single non-zero elements, elements on the E2M1 midpoints of both candidates."""
+    g = torch.Generator().manual_seed(seed)
+    e4m3 = torch.arange(1, 127, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    even = e4m3[(torch.arange(1, 127) % 8 % 2 == 0) & (torch.arange(1, 127) % 8 < 6)]  # 1.5 x exact in E4M3
+    s6 = torch.cat([even[even <= 64.0][::3], e4m3[e4m3 <= 64.0][1::9], torch.tensor([2.0 ** -9, 1.0625])])
+    rows = []
+    for s in s6.tolist():
+        k = torch.randint(0, 193, (4, 16), generator=g)  # a / (s / 32), up to 6 s
+        k[0, 5:] = torch.tensor([8, 24, 40, 56, 80, 112, 160, 12, 36, 60, 84])  # E2M1 midpoints of both grids
+        k[1] = torch.where(torch.rand(16, generator=g) < 0.5, k[1] // 32 * 32, k[1])  # half on the 6-grid
+        # on both grids (0, 1.5, 3, 6 s) but for pairs of elements as far from the other grid as each other
+        # (1 s and 0.75 s, 2 s and 2.25 s, 4 s and 4.5 s, 0.5 s and 0.75 s): a tie where the 4-scale is 1.5 s;
+        # the last row the same with one element a grid unit off: the least difference
+        k[2] = torch.tensor([0, 48, 96, 192])[torch.randint(0, 4, (16,), generator=g)]
+        k[2, 1:9] = torch.tensor([32, 24, 64, 72, 128, 144, 16, 24])
+        k[3] = k[2]
+        k[3, 1 + int(torch.randint(0, 8, (1,), generator=g))] += 1
+        block = k.float() * (s / 32.0)
+        block[:, 0] = 6.0 * s
+        block *= torch.where(torch.rand(4, 16, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(block.reshape(-1))
+    x = torch.stack(rows)  # [n, 64]: a row of four blocks per scale
+    x[0, :16] = 0.0  # all zeros
+    x[1, :16] = 0.0
+    x[1, 7] = -6.0  # a single non-zero (scale 1 and 1.5: both exact, a tie)
+    x[2, :16] = 0.0
+    x[2, 3] = 4.25  # a single non-zero whose scale-to-4 product 1.0625 is an E4M3 midpoint
+    x[3, 16:32] = torch.linspace(0.0, 6.375, 16).div(1 / 32).round().mul(1 / 32)  # 6.375 / 6 = 1.0625, a midpoint
+    return x.to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize16_four_six_exact_ties_and_least_differences(quant16, dtype):
+    """Blocks whose candidate errors are exact (``_four_six_exact_blocks``): the kernel's 4/6 choice,
+    codes and scales equal the reference's bit for bit under every rule, exact ties keeping the 6-scale."""
+    qk = quant16
+    x = _four_six_exact_blocks(dtype, seed=11)
+    assert torch.equal(x.float(), x.float().to(dtype).float())
+    for rule in ("mse", "mae", "max"):
+        q, r = qk.quantize(x, rule, amax=1536.0), nvfp4.quantize(x, rule, amax=1536.0)
+        assert float(r.global_enc) == 1.0
+        _same_quantized(q, r)
+        assert torch.equal(q.chose_four, r.chose_four), rule
+        ties = _tie_blocks(x, r, rule)
+        assert ties.any() and not r.chose_four.reshape(-1)[ties].any()
+
+
+def _tie_blocks(x, r, rule):
+    """Blocks whose two candidate errors are exactly equal in the reference's arithmetic."""
+    blocks = x.float().reshape(-1, 16)
+    bmax = blocks.abs().amax(-1)
+    errs = []
+    for target in (6.0, 4.0):
+        step = (nvfp4.block_scale(bmax, r.global_enc, target) / r.global_enc).unsqueeze(-1)
+        errs.append(nvfp4._block_error(nvfp4.e2m1_rne(blocks / step) * step, blocks, rule))
+    return errs[0] == errs[1]
+
+
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "max"])
 def test_quantize16_kernel_tiny_values(quant16, four_six):

@@ -50,6 +50,16 @@ def _thresholds(step: float, dtype) -> list[torch.Tensor]:
     return out
 
 
+def _threshold_words(step: float, dtype, like: torch.Tensor) -> list[torch.Tensor]:
+    """``_thresholds`` shaped like ``like``; step 0 stands for a zero scale (every threshold +inf)."""
+    if step == 0.0:
+        inf = 0x7C00 if dtype == torch.float16 else 0x7F80
+        ts = [torch.tensor(inf | (inf << 16), dtype=torch.int64)] * 7
+    else:
+        ts = _thresholds(step, dtype)
+    return [t.expand_as(like) for t in ts]
+
+
 STEPS = [float(torch.tensor(s).float()) for s in (1.0, 0.3, 2.0 ** -20 * 1.7, 1.0 / 3.0, 448.0 / 2688.0, 6e-3, 1e-30, 2.0 ** -130)]
 
 
@@ -77,19 +87,49 @@ def test_count_ptx_rounds_every_pattern_like_the_reference(dtype, step):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("step", STEPS + [0.0])
+def test_four_six_magnitude_words_are_the_reference_magnitudes(dtype, step):
+    """Four Over Six's magnitude count (the seven compares summed with E2M1 step weights) gives per half
+    the magnitude of fl(|x| / step) on every finite pattern, bit for bit ``_value_asm``'s word of the plain
+    count; the kept candidate's index word from it is the plain count's word (what the pack reads).
+    Step 0: a zero scale (every threshold +inf)."""
+    f16 = dtype == torch.float16
+    words = _pairs(_all_patterns(dtype) & 0x7FFF)
+    w = run_ptx(q16._wcount_asm(f16), words, *_threshold_words(step, dtype, words))
+    count = run_ptx(q16._count_asm(f16), words, *_threshold_words(step, dtype, words))
+    assert torch.equal(w, run_ptx(q16._value_asm(f16), count))
+    xs, xh = _halves(words, dtype)
+    wlo, whi = _halves(w, dtype)
+    if step == 0.0:
+        assert torch.all(w == 0)
+    else:
+        div = torch.tensor(step, dtype=torch.float32)
+        assert torch.equal(wlo, nvfp4.e2m1_rne(xs.float() / div).double())
+        assert torch.equal(whi, nvfp4.e2m1_rne(xh.float() / div).double())
+    assert torch.equal(run_ptx(q16._windex_asm(f16), w), count)
+
+
+def test_four_six_index_words_cover_every_magnitude_pair():
+    """``_windex_asm`` on all 64 pairs of magnitude words: the count word ``base + i`` in each half (the
+    16-bit pattern of 128 + i in bf16, of 1024 + i in fp16)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        f16 = dtype == torch.float16
+        base = 0x6400 if f16 else 0x4300
+        i = torch.arange(64)
+        v = nvfp4.e2m1_decode(torch.arange(8, dtype=torch.uint8)).double()
+        w = _join(v[i % 8], v[i // 8], dtype)
+        got = run_ptx(q16._windex_asm(f16), w)
+        assert torch.equal(got, (base + i % 8) | ((base + i // 8) << 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("step", STEPS + [0.0])
 def test_integer_count_ptx_equals_the_packed_compare_count(dtype, step):
     """The integer-compare count (bf16 below sm_90) gives the packed float compares' count word on
     every non-negative pattern: every finite one, +inf, and every NaN (0, as the float compare is false
     there); step 0 stands for a zero scale (every threshold +inf)."""
     f16 = dtype == torch.float16
-    p = torch.arange(0x8000, dtype=torch.int64)  # every pattern with the sign clear: inf and NaNs too
-    words = _pairs(p)
-    if step == 0.0:
-        inf = 0x7C00 if f16 else 0x7F80
-        ts = [torch.tensor(inf | (inf << 16), dtype=torch.int64)] * 7
-    else:
-        ts = _thresholds(step, dtype)
-    ts = [t.expand_as(words) for t in ts]
+    words = _pairs(torch.arange(0x8000, dtype=torch.int64))  # every pattern with the sign clear: inf and NaNs too
+    ts = _threshold_words(step, dtype, words)
     got = run_ptx(q16._count_int_asm(f16), words, *ts)
     expect = run_ptx(q16._count_asm(f16), words, *ts)
     assert torch.equal(got, expect)

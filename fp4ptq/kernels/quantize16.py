@@ -8,8 +8,15 @@ instructions: inline PTX on the GPU (packed float compares, or integer ones for 
 PTX has no packed bf16 ``set`` / ``add``), the same arithmetic in Triton under the interpreter. The
 thresholds come from a small per-program table of all scale codes on large inputs and are computed per
 block otherwise (seven exact fp64 products read off as 16-bit patterns).
+
+Four Over Six counts both candidates into magnitude words (the same compares, summed with E2M1 step weights:
+each half the magnitude ``v``), takes each element's error as the reference does (``fl(v * step) - |x|``,
+fp32) into two running sums a candidate, and turns only the kept candidate's words into the index words the
+pack reads (issue 44 item 3 in benchmarks/NOTES.md: 594 instructions a block on sm_90 where 652 were).
 """
 from __future__ import annotations
+
+import struct
 
 import triton
 import triton.language as tl
@@ -175,6 +182,54 @@ def _value_asm(f16: bool) -> str:
     ])
 
 
+def _pair_const(value: float, f16: bool) -> str:
+    """``value`` (exact in the 16-bit format) in both halves of a 32-bit PTX constant."""
+    if f16:
+        h = struct.unpack("<H", struct.pack("<e", value))[0]
+        assert struct.unpack("<e", struct.pack("<H", h))[0] == value
+    else:
+        b = struct.unpack("<I", struct.pack("<f", value))[0]
+        assert b & 0xFFFF == 0, value
+        h = b >> 16
+    return f"0x{h:04X}{h:04X}"
+
+
+# Four Over Six counts into "magnitude words": per half the E2M1 magnitude ``v`` itself (``_value_asm``'s
+# word), from which the reference's ``fl(v * step)`` is one fp32 product, and the index word ``base + i``
+# of the kept scale a few packed ops.
+_STEPS = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0)  # E2M1 magnitude gained at each of the seven thresholds
+
+
+def _wcount_asm(f16: bool) -> str:
+    """``$0`` = per half the E2M1 magnitude ``v`` of ``$1`` against the thresholds ``$2..$8``: the seven
+    packed compares of ``_count_asm`` (1.0 where true), each weighted by the step of magnitude it crosses
+    with a packed fma instead of added (the same instruction count; every sum exact)."""
+    ty = "f16x2" if f16 else "bf16x2"
+    lines = ["{", ".reg .b32 s, c, k;", "mov.b32 c, 0;"]
+    for i, step in enumerate(_STEPS):
+        lines.append(f"set.ge.{ty}.{ty} s, $1, ${i + 2}; mov.b32 k, {_pair_const(step, f16)}; "
+                     f"fma.rn.{ty} c, s, k, c;")
+    lines += ["mov.b32 $0, c;", "}"]
+    return "\n".join(lines)
+
+
+def _windex_asm(f16: bool) -> str:
+    """The count word ``base + i`` (what ``_PACK_ASM`` and ``_value_asm`` read) of a magnitude word ``v``:
+    ``i = min(2v, v + 2, v / 2 + 4)`` (the inverse of ``max(i / 2, i - 2, 2i - 8)``) on ``base``: three
+    packed fmas and two mins. The branch that is the minimum is an integer below ``2 base``, exact; the
+    others round (``v`` has halves) to at least that minimum."""
+    ty = "f16x2" if f16 else "bf16x2"
+    base = 1024.0 if f16 else 128.0
+    k = [_pair_const(c, f16) for c in (2.0, base, 1.0, base + 2.0, 0.5, base + 4.0)]
+    return "\n".join([
+        "{", ".reg .b32 a, b, d, k0, k1;",
+        f"mov.b32 k0, {k[0]}; mov.b32 k1, {k[1]}; fma.rn.{ty} a, $1, k0, k1;",
+        f"mov.b32 k0, {k[2]}; mov.b32 k1, {k[3]}; fma.rn.{ty} b, $1, k0, k1;",
+        f"mov.b32 k0, {k[4]}; mov.b32 k1, {k[5]}; fma.rn.{ty} d, $1, k0, k1;",
+        f"min.{ty} a, a, b; min.{ty} $0, a, d;", "}",
+    ])
+
+
 # The packed word of 8 codes from four counts ($1-$4) and the four input words ($5-$8) they came
 # from: each half's sign goes to bit 3 of its count's low byte (bits 4-7 of that byte are zero), then
 # the low bytes are gathered (prmt) so that code e sits at bits 4e..4e+3.
@@ -244,6 +299,18 @@ _SCALED_F16 = tl.constexpr(_scaled_asm(True))
 
 
 _PACK = tl.constexpr(_PACK_ASM)
+
+
+_WCOUNT_BF16 = tl.constexpr(_wcount_asm(False))
+
+
+_WCOUNT_F16 = tl.constexpr(_wcount_asm(True))
+
+
+_WINDEX_BF16 = tl.constexpr(_windex_asm(False))
+
+
+_WINDEX_F16 = tl.constexpr(_windex_asm(True))
 
 
 _C9 = tl.constexpr("=r,r,r,r,r,r,r,r,r")
@@ -317,6 +384,40 @@ def _magnitude(count, F16: tl.constexpr, ASM: tl.constexpr):
     else:
         v = _from_lanes(e2m1_value(count & 7), e2m1_value((count >> 16) & 7), F16)
     return v
+
+
+@triton.jit
+def _asm1(PTX_BF16: tl.constexpr, PTX_F16: tl.constexpr, a, F16: tl.constexpr):
+    """One int32 from one, by the PTX block of the format."""
+    if F16:
+        out = tl.inline_asm_elementwise(PTX_F16, "=r,r", [a], tl.int32, True, 1)
+    else:
+        out = tl.inline_asm_elementwise(PTX_BF16, "=r,r", [a], tl.int32, True, 1)
+    return out
+
+
+@triton.jit
+def _wcount(ax, t0, t1, t2, t3, t4, t5, t6, F16: tl.constexpr, ASM: tl.constexpr):
+    """Magnitude word (the E2M1 magnitude ``v`` per half) of ``ax`` against the thresholds ``t0..t6``."""
+    if ASM == 1:
+        w = _ptx8(ax, t0, t1, t2, t3, t4, t5, t6, _WCOUNT_BF16, _WCOUNT_F16, F16)
+    else:  # the integer-compare count (bf16 below sm_90) or the Triton twin, then its magnitudes
+        w = _magnitude(_count(ax, t0, t1, t2, t3, t4, t5, t6, F16, ASM), F16, ASM)
+    return w
+
+
+@triton.jit
+def _windex(w, F16: tl.constexpr, ASM: tl.constexpr):
+    """Count word (``base + i`` per half) of a magnitude word."""
+    if ASM:
+        c = _asm1(_WINDEX_BF16, _WINDEX_F16, w, F16)
+    else:
+        base = 1024 if F16 else 128
+        lo, hi = _lanes(w, F16)
+        ilo = tl.minimum(tl.minimum(lo * 2.0, lo + 2.0), lo * 0.5 + 4.0).to(tl.int32)
+        ihi = tl.minimum(tl.minimum(hi * 2.0, hi + 2.0), hi * 0.5 + 4.0).to(tl.int32)
+        c = (base + ilo) | ((base + ihi) << 16)
+    return c
 
 
 @triton.jit
@@ -466,29 +567,54 @@ def _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global
 
 
 @triton.jit
-def _pair_error(mag, ax, step, F16: tl.constexpr, RULE: tl.constexpr):
-    """Error of the two elements of each word: ``fl(v * step) - |x|`` per half (the reference's
-    ``x_hat - x`` up to sign), as squared + squared / |.| + |.| / max."""
-    vlo, vhi = _lanes(mag, F16)
-    alo, ahi = _lanes(ax, F16)
-    dlo = vlo * step - alo
-    dhi = vhi * step - ahi
-    if RULE == 1:
-        return dlo * dlo + dhi * dhi
-    elif RULE == 2:
-        return tl.abs(dlo) + tl.abs(dhi)
-    else:
-        return tl.maximum(tl.abs(dlo), tl.abs(dhi))
+def _block_wcounts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale, global_enc, F16: tl.constexpr,
+                   ASM: tl.constexpr, TABLE: tl.constexpr, FAST: tl.constexpr, WORD_MAJOR: tl.constexpr):
+    """The magnitude words of a block's eight words under its code's thresholds."""
+    t0, t1, t2, t3, t4, t5, t6 = _row(table_ptr, code, scale, global_enc, F16, TABLE, FAST, WORD_MAJOR)
+    return (_wcount(a0, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _wcount(a1, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _wcount(a2, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _wcount(a3, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _wcount(a4, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _wcount(a5, t0, t1, t2, t3, t4, t5, t6, F16, ASM),
+            _wcount(a6, t0, t1, t2, t3, t4, t5, t6, F16, ASM), _wcount(a7, t0, t1, t2, t3, t4, t5, t6, F16, ASM))
 
 
 @triton.jit
-def _half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step, F16: tl.constexpr, RULE: tl.constexpr,
-                      ASM: tl.constexpr):
-    e0 = _pair_error(_magnitude(c0, F16, ASM), a0, step, F16, RULE)
-    e1 = _pair_error(_magnitude(c1, F16, ASM), a1, step, F16, RULE)
-    e2 = _pair_error(_magnitude(c2, F16, ASM), a2, step, F16, RULE)
-    e3 = _pair_error(_magnitude(c3, F16, ASM), a3, step, F16, RULE)
-    return _combine(_combine(e0, e1, RULE), _combine(e2, e3, RULE), RULE)
+def _error_step(acc, d, RULE: tl.constexpr):
+    """One element's error ``d`` into a running error: ``fma(d, d, acc)`` / ``acc + |d|`` / ``max(acc, |d|)``."""
+    if RULE == 1:
+        return tl.fma(d, d, acc)
+    elif RULE == 2:
+        return acc + tl.abs(d)
+    else:
+        return tl.maximum(acc, tl.abs(d))
+
+
+@triton.jit
+def _word_error(acc_lo, acc_hi, w, ax, step, F16: tl.constexpr, RULE: tl.constexpr):
+    """Both halves of a magnitude word ``w`` and its ``|x|`` word into the running errors: ``v * step`` is
+    the reference's ``x_hat`` (one fp32 product), minus ``|x|`` its ``x_hat - x`` up to sign."""
+    wlo, whi = _lanes(w, F16)
+    alo, ahi = _lanes(ax, F16)
+    return _error_step(acc_lo, wlo * step - alo, RULE), _error_step(acc_hi, whi * step - ahi, RULE)
+
+
+@triton.jit
+def _block_error(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, step, F16: tl.constexpr,
+                 RULE: tl.constexpr):
+    """A candidate's block error from its magnitude words: two running fp32 errors (the low and the
+    high halves, 8 elements each) combined at the end. The per-element ``x_hat - x`` is the
+    reference's; only the order of the sum (and the squares' rounding, one fma each) differ from
+    ``torch.sum``'s, so the 4/6 choice differs from the reference only at near-ties."""
+    lo = step * 0.0
+    hi = lo
+    lo, hi = _word_error(lo, hi, w0, a0, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w1, a1, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w2, a2, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w3, a3, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w4, a4, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w5, a5, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w6, a6, step, F16, RULE)
+    lo, hi = _word_error(lo, hi, w7, a7, step, F16, RULE)
+    return _combine(lo, hi, RULE)
 
 
 @triton.jit
@@ -538,20 +664,24 @@ def _quantize16_tile(
     else:
         bmax = (mbits << 16).to(tl.float32, bitcast=True)
     scale, code = e4m3_block_scale(bmax, global_enc, 6.0)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
-                                                   global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
     chose_four = code < 0  # all False, in the per-block layout
-    if FOUR_SIX != 0:
-        # bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds the same real number)
-        scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
+    if FOUR_SIX == 0:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _block_counts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
                                                        global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
+    else:
+        # Both candidates as magnitude words (the counts' compares, their sums weighted by E2M1 steps: no
+        # separate magnitudes), each error one fp32 product, difference and accumulate an element, then the index
+        # words of the kept scale only. bmax / 4 is a correctly rounded product (div_rn(bmax, 4) rounds
+        # the same real number).
+        scale4, code4 = e4m3_rne(tl.minimum(bmax * 0.25 * global_enc, 448.0))
+        c0, c1, c2, c3, c4, c5, c6, c7 = _block_wcounts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code, scale,
+                                                        global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block_wcounts(a0, a1, a2, a3, a4, a5, a6, a7, table_ptr, code4, scale4,
+                                                        global_enc, F16, ASM, TABLE, FAST, WORD_MAJOR)
         step6 = _row_step(table_ptr, code, scale, global_enc, TABLE, WORD_MAJOR)
         step4 = _row_step(table_ptr, code4, scale4, global_enc, TABLE, WORD_MAJOR)
-        err6 = _combine(_half_block_error(c0, c1, c2, c3, a0, a1, a2, a3, step6, F16, FOUR_SIX, ASM),
-                        _half_block_error(c4, c5, c6, c7, a4, a5, a6, a7, step6, F16, FOUR_SIX, ASM), FOUR_SIX)
-        err4 = _combine(_half_block_error(d0, d1, d2, d3, a0, a1, a2, a3, step4, F16, FOUR_SIX, ASM),
-                        _half_block_error(d4, d5, d6, d7, a4, a5, a6, a7, step4, F16, FOUR_SIX, ASM), FOUR_SIX)
+        err6 = _block_error(c0, c1, c2, c3, c4, c5, c6, c7, a0, a1, a2, a3, a4, a5, a6, a7, step6, F16, FOUR_SIX)
+        err4 = _block_error(d0, d1, d2, d3, d4, d5, d6, d7, a0, a1, a2, a3, a4, a5, a6, a7, step4, F16, FOUR_SIX)
         chose_four = err4 < err6  # ties keep the 6-scale
         c0 = tl.where(chose_four, d0, c0)
         c1 = tl.where(chose_four, d1, c1)
@@ -567,7 +697,13 @@ def _quantize16_tile(
     nblocks = K // 16
     sofs = rows64[:, None] * nblocks + blocks[None, :]
     if EMIT_PACKED:
-        words = tl.join(_pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM), _pack4(c4, c5, c6, c7, w4, w5, w6, w7, ASM))
+        if FOUR_SIX == 0:
+            words = tl.join(_pack4(c0, c1, c2, c3, w0, w1, w2, w3, ASM), _pack4(c4, c5, c6, c7, w4, w5, w6, w7, ASM))
+        else:  # index words from the kept magnitude words
+            words = tl.join(_pack4(_windex(c0, F16, ASM), _windex(c1, F16, ASM), _windex(c2, F16, ASM),
+                                   _windex(c3, F16, ASM), w0, w1, w2, w3, ASM),
+                            _pack4(_windex(c4, F16, ASM), _windex(c5, F16, ASM), _windex(c6, F16, ASM),
+                                   _windex(c7, F16, ASM), w4, w5, w6, w7, ASM))
         wofs = (rows64[:, None] * (K // 8) + blocks[None, :] * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
         tl.store(packed_ptr + wofs, words, mask=mask2[:, :, None])
         tl.store(scale_ptr + sofs, code.to(tl.uint8), mask=mask2)
@@ -576,10 +712,16 @@ def _quantize16_tile(
     if EMIT_SCALED:
         s2 = _row_scale(table_ptr, code, scale, F16, TABLE, WORD_MAJOR)
         q = (rows64[:, None] * stride_sw + blocks[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
-        qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
-                    _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
-        qb = _join4(_scaled(_magnitude(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_magnitude(c5, F16, ASM), s2, w5, F16, ASM),
-                    _scaled(_magnitude(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_magnitude(c7, F16, ASM), s2, w7, F16, ASM))
+        if FOUR_SIX == 0:
+            qa = _join4(_scaled(_magnitude(c0, F16, ASM), s2, w0, F16, ASM), _scaled(_magnitude(c1, F16, ASM), s2, w1, F16, ASM),
+                        _scaled(_magnitude(c2, F16, ASM), s2, w2, F16, ASM), _scaled(_magnitude(c3, F16, ASM), s2, w3, F16, ASM))
+            qb = _join4(_scaled(_magnitude(c4, F16, ASM), s2, w4, F16, ASM), _scaled(_magnitude(c5, F16, ASM), s2, w5, F16, ASM),
+                        _scaled(_magnitude(c6, F16, ASM), s2, w6, F16, ASM), _scaled(_magnitude(c7, F16, ASM), s2, w7, F16, ASM))
+        else:  # the kept magnitude words
+            qa = _join4(_scaled(c0, s2, w0, F16, ASM), _scaled(c1, s2, w1, F16, ASM), _scaled(c2, s2, w2, F16, ASM),
+                        _scaled(c3, s2, w3, F16, ASM))
+            qb = _join4(_scaled(c4, s2, w4, F16, ASM), _scaled(c5, s2, w5, F16, ASM), _scaled(c6, s2, w6, F16, ASM),
+                        _scaled(c7, s2, w7, F16, ASM))
         tl.store(scaled_ptr + q, qa, mask=mask2[:, :, None])
         tl.store(scaled_ptr + q + 4, qb, mask=mask2[:, :, None])
 

@@ -42,10 +42,12 @@ Everything else (fp32 inputs, 1-2 rows, a scaled output in another dtype,
 older GPUs) goes to ``_quantize_kernel``, which computes the thresholds per
 block as described above. Both give the reference's codes and scales.
 
-Four Over Six sums the block errors in Triton's reduction order, which can
-differ from ``torch.sum``'s by an ulp; a block whose two errors are that
-close (a near-tie) can then pick the other scale. The kernels are launched
-with FMA contraction off so every other step rounds like the reference.
+Four Over Six sums the block errors in Triton's reduction order (the 16-bit
+kernel: two running sums, each square added by one fma), which can differ
+from ``torch.sum``'s by an ulp; a block whose two errors are that close (a
+near-tie) can then pick the other scale. The kernels are launched with FMA
+contraction off so every other step (``x_hat = v * step``, ``x_hat - x``)
+rounds like the reference.
 """
 from __future__ import annotations
 
