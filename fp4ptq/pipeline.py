@@ -56,6 +56,8 @@ from .solve import (  # noqa: F401 - re-exported: fp4ptq.pipeline is where users
 )
 from .stats import (  # noqa: F401 - re-exported
     TOKENS_PER_CALL,
+    batches_sequences,
+    one_sequence_a_call,
     InputStats,
     _capture_experts,
     _capture_input,
@@ -93,9 +95,19 @@ class BlockInputs:
 
 
 class _Recorder(nn.Module):
-    def __init__(self, index: int, record: BlockInputs, stop_at: list) -> None:
+    """Stands in for decoder block ``index`` while the inputs are recorded; attributes it lacks
+    are the block's (model code that reads ``layer.attention_type`` or calls a block's method)."""
+
+    def __init__(self, index: int, record: BlockInputs, stop_at: list, block: nn.Module) -> None:
         super().__init__()
         self.index, self.record, self.stop_at = index, record, stop_at
+        object.__setattr__(self, "_block", block)   # not a submodule: the block stays where it is
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), name)
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
@@ -119,7 +131,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, calib: torch.L
     device = model.get_input_embeddings().weight.device
     try:
         for i in range(len(blocks)):
-            blocks[i] = _Recorder(i, record, stop_at)
+            blocks[i] = _Recorder(i, record, stop_at, originals[i])
         for row in range(calib.shape[0]):
             with contextlib.suppress(_StopForward):
                 model(input_ids=calib[row : row + 1].to(device), use_cache=False)
@@ -332,27 +344,31 @@ def quantize(
     layers, smoothing_info, groups_info = {}, {}, {}
     bar = tqdm(range(len(blocks)), desc=f"fp4ptq {config.method} {config.scheme}", disable=not progress or not world.main,
                unit="block")
-    for index in bar:
-        block = blocks[index]
-        block_home = next(block.parameters()).device
-        block.to(device)
-        prefix = f"{layers_path}.{index}"
-        source = inputs if use_data else probe_inputs
-        call = _to_device(source.calls[index], device)
-        # Discovery observes the run's first sequence, on every rank.
-        hidden = (distributed.gather_first([inputs.start], inputs.hidden[:1], 1, world, device)[0] if use_data
-                  else source.hidden[0]).to(device)
-        plan = discover_block(block, hidden, call, probe=config.transform is not None)
-        if spec is not None and layers_path == spec.layers:
-            check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
-        for name, reason in plan.high.items():
-            high[_join(prefix, name)] = reason
-        groups_info[prefix] = [{"linears": list(g.linears), "prev": g.prev, "fold": g.fold, "why": g.why,
-                                "fused": [list(f) for f in g.fused_sets], "readers": list(g.readers)}
-                               for g in plan.groups]
-        quantize_block(block, plan, config, prefix, inputs, index, device,
-                       layers=layers, high=high, smoothing_info=smoothing_info, spec=spec)
-        block.to(block_home)
+    with contextlib.ExitStack() as batching:
+        for index in bar:
+            block = blocks[index]
+            block_home = next(block.parameters()).device
+            block.to(device)
+            prefix = f"{layers_path}.{index}"
+            source = inputs if use_data else probe_inputs
+            call = _to_device(source.calls[index], device)
+            # Discovery observes the run's first sequence, on every rank.
+            hidden = (distributed.gather_first([inputs.start], inputs.hidden[:1], 1, world, device)[0] if use_data
+                      else source.hidden[0]).to(device)
+            plan = discover_block(block, hidden, call, probe=config.transform is not None)
+            if index == 0 and use_data and inputs.total > 1 and sequences_per_call(hidden.shape[1]) > 1:
+                # blocks whose recorded arguments do not batch (ALiBi, strict masks): a sequence a call
+                batching.enter_context(one_sequence_a_call(not batches_sequences(block, hidden, call)))
+            if spec is not None and layers_path == spec.layers:
+                check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
+            for name, reason in plan.high.items():
+                high[_join(prefix, name)] = reason
+            groups_info[prefix] = [{"linears": list(g.linears), "prev": g.prev, "fold": g.fold, "why": g.why,
+                                    "fused": [list(f) for f in g.fused_sets], "readers": list(g.readers)}
+                                   for g in plan.groups]
+            quantize_block(block, plan, config, prefix, inputs, index, device,
+                           layers=layers, high=high, smoothing_info=smoothing_info, spec=spec)
+            block.to(block_home)
 
     layers.update(_quantize_head(model, layers_path, config, inputs, device, high, use_data))
     for name, module in model.named_modules():

@@ -116,9 +116,35 @@ def _batches(sequences: list) -> Iterator[tuple]:
         yield start, start + len(chunk), torch.cat(chunk) if len(chunk) > 1 else chunk[0]
 
 
+_ONE_SEQUENCE_A_CALL = [False]   # set by ``one_sequence_a_call`` for models whose blocks do not batch
+
+
 def sequences_per_call(seqlen: int) -> int:
     """Sequences per batch (counted from the run's first sequence on every rank)."""
-    return max(1, TOKENS_PER_CALL // max(1, seqlen))
+    return 1 if _ONE_SEQUENCE_A_CALL[0] else max(1, TOKENS_PER_CALL // max(1, seqlen))
+
+
+def batches_sequences(block: nn.Module, hidden: torch.Tensor, call: tuple) -> bool:
+    """Whether ``block`` runs two copies of ``hidden [1, T, d]`` at once with its recorded call
+    arguments (recorded for one sequence: rotary tables and masks broadcast over a batch in most
+    families; ALiBi tables of ``[heads, 1, T]`` or masks checked against the batch do not)."""
+    args, kwargs = call
+    try:
+        _first(block(torch.cat([hidden, hidden]), *args, **kwargs))
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def one_sequence_a_call(on: bool):
+    """Within it, blocks and searches run one calibration sequence a call when ``on``."""
+    before = _ONE_SEQUENCE_A_CALL[0]
+    _ONE_SEQUENCE_A_CALL[0] = on
+    try:
+        yield
+    finally:
+        _ONE_SEQUENCE_A_CALL[0] = before
 
 
 @torch.no_grad()

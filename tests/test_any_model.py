@@ -409,3 +409,15 @@ def test_routed_awq_over_several_batches_searches_on_each_experts_tokens(monkeyp
                     progress=False)
     searched = [k for k, v in model.fp4ptq_info["smoothing"].items() if ".down_proj" in k and "loss" in v]
     assert searched and torch.isfinite(_logits(model)).all()
+
+
+def test_blocks_whose_recorded_arguments_do_not_batch_run_a_sequence_a_call():
+    """BLOOM's blocks take an ALiBi table recorded for one sequence ([heads, 1, T]): GPTQ over two
+    calibration sequences runs them one at a time (probed once on the first block) and finishes,
+    and so does a model whose code reads an attribute of a block while its inputs are recorded
+    (BigBird's ``attention_type``)."""
+    for model_type in ("bloom", "big_bird"):
+        model = tiny(model_type)
+        fp4ptq.quantize(model, QuantConfig(method="gptq"), CALIB, progress=False)
+        assert any(isinstance(m, NVFP4Linear) for m in model.modules()), model_type
+        assert torch.isfinite(_logits(model)).all(), model_type
