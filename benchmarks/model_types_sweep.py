@@ -4,6 +4,7 @@ it, load it back with the same logits? Writes which pass and, for the others, th
 stage and the error (`benchmarks/results/model_types_sweep.{json,md}`).
 
     python benchmarks/model_types_sweep.py [--types llama,qwen3_moe] [--timeout 120]
+    python benchmarks/model_types_sweep.py --update   # re-run the types that failed in fp4ptq's stages
 
 Each model type runs in its own subprocess (a hang or crash is recorded, not fatal).
 """
@@ -106,9 +107,15 @@ def main() -> None:
     parser.add_argument("--types", help="comma-separated model types (default: every causal-LM type)")
     parser.add_argument("--timeout", type=float, default=180)
     parser.add_argument("--output", default=str(RESULTS / "model_types_sweep"))
+    parser.add_argument("--update", action="store_true",
+                        help="re-run --types (default: those that failed in fp4ptq's stages) into the existing results")
     args = parser.parse_args()
-    types = args.types.split(",") if args.types else causal_lm_types()
-    results = {}
+    out = Path(args.output)
+    results = json.loads(out.with_suffix(".json").read_text())["results"] if args.update else {}
+    ours = ("quantize", "save", "load", "process")
+    types = (args.types.split(",") if args.types else
+             [t for t, r in results.items() if not r["ok"] and r["stage"].startswith(ours)] if args.update
+             else causal_lm_types())
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
@@ -117,7 +124,7 @@ def main() -> None:
         results[model_type] = run_one(model_type, args.timeout)
     import transformers
 
-    out = Path(args.output)
+    results = dict(sorted(results.items()))
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"transformers": transformers.__version__, "small_config": SMALL, "results": results}
     with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
