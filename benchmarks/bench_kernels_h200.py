@@ -34,22 +34,7 @@ MS = (1, 16, 128, 1024, 8192)
 TARGET_MS = (1, 16, 1024, 8192)  # the rows the issue's targets read, re-timed in ROUNDS interleaved rounds
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 QUANT_SHAPES = ((16, 4096), (128, 4096), (1024, 4096), (8192, 4096), (8192, 14336), (8192, 28672))
-CHECK_PATHS = ("gemv6", "mma", "gemm", "streamk")  # forced paths checked on every code and on an odd shape
-STREAMK_MS = (16,)  # issue 44 item 2: streamk.py (forced) timed beside cuBLAS and the dispatched path at these M
-# label -> streamk.MAXNREG: None (its default: a 128-register cap where the uncapped build holds fewer than
-# 4 programs of 4 warps an SM), 96 (5 programs of 4 warps an SM; Triton 3.6 offline: 24 bytes of stack)
-STREAMK_CAPS = {"ours_w4a16_streamk": None, "ours_w4a16_streamk_r96": 96}
-
-
-def _streamk(cap, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with streamk.py's register cap set to ``cap`` (restored after)."""
-    from fp4ptq.kernels import streamk
-
-    saved, streamk.MAXNREG = streamk.MAXNREG, cap
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        streamk.MAXNREG = saved
+CHECK_PATHS = ("gemv6", "mma", "gemm")  # forced paths checked on every code and on an odd shape
 
 
 # --------------------------------------------------------------------------- #
@@ -186,8 +171,6 @@ def main_gpu():
                 ours["ours_w4a16_mma"] = lambda x=x: gm.linear_w4a16(x, wq, path="mma")
             elif m <= 128:
                 ours["ours_w4a16_wgmma"] = lambda x=x: gm.linear_w4a16(x, wq, path="wgmma")
-            for label, cap in STREAMK_CAPS.items() if m in STREAMK_MS else ():
-                ours[label] = lambda x=x, cap=cap: _streamk(cap, gm.linear_w4a16, x, wq, path="streamk")
             if m > 16:
                 ours["ours_w4a16_cublas"] = lambda x=x: gm.linear_w4a16(x, wq, path="cublas")
             ours["ours_w4a4"] = lambda x=x: gm.linear_w4a4(x, wq, amax)
@@ -229,11 +212,6 @@ def main_gpu():
                     row = {"shape": name, "N": n, "K": k, "M": m, "impl": label, "ms": ms,
                            "TBps": byt / (ms * 1e-3) / 1e12, "TFLOPs": 2 * m * n * k / (ms * 1e-3) / 1e12,
                            "rel_err": err}
-                    if label in STREAMK_CAPS:  # its grid: (BN, BM, BK, warps, stages, programs), slots, registers
-                        from fp4ptq.kernels import streamk
-
-                        row["streamk"] = {k_: list(v) if isinstance(v, tuple) else v for k_, v in
-                                          _streamk(STREAMK_CAPS[label], streamk.chosen, m, n, k, x.device).items()}
                     res["rows"].append(row)
                     print(f"{name:12} {m:5} {label:22} {ms*1e3:9.1f}us {row['TBps']:5.2f}TB/s "
                           f"{row['TFLOPs']:6.1f}TF err {err:.1e}", flush=True)
@@ -318,42 +296,6 @@ def _floor_section(floor_path, get, copy):
     return lines
 
 
-def _streamk_section(get):
-    """Issue 44 item 2: the forced stream-K path beside cuBLAS bf16, the dispatched path (``ours_w4a16``,
-    mma.py at these M) and mma.py forced, from the interleaved medians where present."""
-    lines = ["", "## M = 16 stream-K (streamk.py, forced; issue 44 item 2)", "",
-             "`ours_w4a16_streamk`: mma.py's step in a persistent stream-K launch (not dispatched), with a 128-register "
-             "cap where its uncapped build holds fewer programs an SM than mma.py's; `_r96`: capped at 96 registers "
-             "(5 programs of 4 warps an SM). Speedups over cuBLAS bf16 in brackets; 'vs dispatched': the dispatched "
-             "path's time over the faster stream-K row's.",
-             "", "| shape | M | cuBLAS bf16 (us) | dispatched | mma forced | streamk | streamk r96 | vs dispatched | "
-             "best >= 2.5x cuBLAS | programs (SMs x an SM), cap, registers |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    rows = 0
-    for name in SHAPES:
-        for m in STREAMK_MS:
-            c, d = get.get((name, m, "cublas_bf16")), get.get((name, m, "ours_w4a16"))
-            a = get.get((name, m, "ours_w4a16_mma"))
-            ks = [get.get((name, m, label)) for label in STREAMK_CAPS]
-            timed = [r for r in ks if r]
-            if not (c and timed):
-                continue
-            rows += 1
-            best = min(timed, key=lambda r: r["ms"])
-
-            def cell(r):
-                return f"{r['ms'] * 1e3:.1f} ({c['ms'] / r['ms']:.2f}x)" if r else ""
-
-            def grid(r):
-                g = r.get("streamk") if r else None
-                return f"{g['config'][5]} ({g['sms']} x {g['per_sm']}), {g['maxnreg']}, {g['registers']}" if g else ""
-            vs = f"{d['ms'] / best['ms']:.2f}x" if d else ""
-            met = "met" if c["ms"] / best["ms"] >= 2.5 else "NOT met"
-            lines.append(f"| {name} | {m} | {c['ms'] * 1e3:.1f} | {cell(d)} | {cell(a)} | {cell(ks[0])} | "
-                         f"{cell(ks[1])} | {vs} | {met} | {'; '.join(grid(r) for r in ks if r)} |")
-    return lines if rows else []
-
-
 def report(path):
     with open(path) as f:
         res = json.load(f)
@@ -408,7 +350,6 @@ def report(path):
             single = get.get(key)
             if single:
                 get[key] = dict(single, ms=r["ms"], TBps=single["TBps"] * single["ms"] / r["ms"])
-    lines += _streamk_section(get)
     lines += ["", "## Targets", "", "Read from the interleaved medians where the run has them.", "",
               "| target | shape | figure | met |", "|---|---|---|---|"]
 

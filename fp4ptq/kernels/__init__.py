@@ -10,8 +10,7 @@ kernels on CPU tensors: that is how the tests check them without a GPU.
 
 Modules: ``dispatch.py`` (which path takes a call: the rules as one table), ``gemm.py`` (the launcher of
 every path, the tiled GEMM and dequantize + cuBLAS), ``gemv.py`` (M = 1-2), ``mma.py`` / ``wgmma.py`` /
-``wsgemm.py`` (Gluon tensor-core kernels, the last two sm_90 only), ``streamk.py`` (mma.py's step in a
-persistent stream-K launch: a forced path, "streamk", not dispatched yet), ``dot_scaled.py`` (W4A4 on the FP4
+``wsgemm.py`` (Gluon tensor-core kernels, the last two sm_90 only), ``dot_scaled.py`` (W4A4 on the FP4
 tensor cores of sm_100+), ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``),
 ``grouped.py`` (a MoE layer's experts, ``moe_experts``: one grouped launch per expert projection), and
 ``_common.py``, which they all share and which imports none of them.

@@ -47,8 +47,6 @@ RULES = (
     # dequantize + cuBLAS from M = 64 and the tiled GEMM below (K % 64 != 0, or no Gluon)
     Rule("dot_scaled", GEMV_MAX_M + 1, NO_LIMIT, True, ("dot_scaled_ready",)),
     Rule("wsgemm", GEMV_MAX_M + 1, NO_LIMIT, None, ("wsgemm_preferred",)),
-    # (issue 44: a Rule("streamk", ...) for M = 3..64 would go before mma.py's once the H200 measures
-    # streamk.py ahead of it on those layers; until then "streamk" is a forced path only)
     Rule("mma", GEMV_MAX_M + 1, NO_LIMIT, None, ("mma_ready",)),
     Rule("wgmma", GEMV_MAX_M + 1, NO_LIMIT, None, ("wgmma_preferred",)),
     Rule("cublas", CUBLAS_MIN_M, NO_LIMIT, None, ()),
@@ -161,8 +159,7 @@ def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.dev
 
 # K multiple each sm_90 Gluon kernel takes: wgmma.py's K steps go in pairs of 64; wsgemm.py's steps are 64
 # (its scale bytes come by TMA from rows padded to 16-byte strides where K % 256 != 0: wsgemm.tma_scales).
-# "streamk" (streamk.py, mma.py's step in a persistent stream-K launch; sm_80 on, M <= 64) is forced only.
-GLUON_SM90_K = {"wgmma": 128, "wsgemm": 64, "streamk": 64}
+GLUON_SM90_K = {"wgmma": 128, "wsgemm": 64}
 
 
 def gluon_sm90_reason(path: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
