@@ -1,4 +1,4 @@
-"""Issue 43's rows on the CPU: rotations x {RTN, GPTQ + 4/6, AWQ + 4/6}, keep budgets, scale searches.
+"""Issue 43's rows: rotations x {RTN, GPTQ + 4/6, AWQ + 4/6}, keep budgets, scale searches (CPU or a GPU).
 
 Token perplexity and mean next-token KL divergence to the float model (``fp4ptq.eval.kld``'s
 protocol: the WikiText-2 *test* windows of ``fp4ptq.eval.perplexity``, seqlen 2048, the first
@@ -13,6 +13,11 @@ Four Over Six "mse"), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation
 
     python benchmarks/accuracy_issue43.py --windows 3 --configs fp,rtn/w4a16,rot128+rtn/w4a16
     python benchmarks/accuracy_issue43.py --model qwen.gguf --name qwen2.5-coder-0.5b --windows 2 --configs ...
+    python benchmarks/accuracy_issue43.py --device cuda --model smol.gguf --windows 0 --nsamples 8 \
+        --calib-seqlen 2048 --search-nsamples 2 --budget-s 500 --configs ... --out $OUT/accuracy_issue43_smollm2-135m_h200
+
+On a GPU (``--device cuda``) the models run in float32 with TF32 off and the float model's
+log-probabilities stay on the device; ``--windows 0`` takes the whole test split.
 
 Resumable: configs already in the JSON (same settings) are skipped; JSON and markdown are
 rewritten atomically after each config.
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 import fp4ptq
 from fp4ptq import QuantConfig
 from fp4ptq.calib import get_calibration
+from fp4ptq.eval import decoded_weight_cache
 from fp4ptq.eval.perplexity import load_corpus
 from fp4ptq.sources import load_source_model
 
@@ -73,13 +79,14 @@ def evaluate(model, windows: list, reference: list) -> dict:
     model's log-probabilities, or None for the float model itself)."""
     nll = kl = 0.0
     tokens = 0
-    for i, window in enumerate(windows):
-        logp = F.log_softmax(model(input_ids=window[None], use_cache=False).logits[0, :-1].float(), -1)
-        nll -= float(logp.gather(-1, window[1:, None]).sum())
-        if reference is not None:
-            ref = reference[i]
-            kl += float((ref.exp() * (ref - logp)).sum())
-        tokens += window.numel() - 1
+    with decoded_weight_cache(model):   # each packed weight decoded once (bit-identical outputs)
+        for i, window in enumerate(windows):
+            logp = F.log_softmax(model(input_ids=window[None], use_cache=False).logits[0, :-1].float(), -1)
+            nll -= float(logp.gather(-1, window[1:, None]).sum())
+            if reference is not None:
+                ref = reference[i]
+                kl += float((ref.exp() * (ref - logp)).sum())
+            tokens += window.numel() - 1
     return {"token_ppl": math.exp(nll / tokens), "kld": kl / tokens if reference is not None else 0.0,
             "tokens": tokens}
 
@@ -87,7 +94,7 @@ def evaluate(model, windows: list, reference: list) -> dict:
 def table(report: dict) -> str:
     res = report["results"]
     s = report["settings"]
-    lines = [f"# {s['model']}: issue 43 rows (CPU)", "",
+    lines = [f"# {s['model']}: issue 43 rows ({s.get('device', 'CPU')})", "",
              f"- Eval: {s['eval']}; {s['windows']} windows ({s['tokens']} scored tokens)",
              f"- Calibration: {s['calibration']}", "- Commands: " + "; ".join(f"`{c}`" for c in report["commands"]), ""]
     rows = []
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", required=True)
     p.add_argument("--model", default=None, help="GGUF / HF model (default: the demo SmolLM2-135M-Instruct)")
     p.add_argument("--name", default="smollm2-135m")
-    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--windows", type=int, default=3, help="WikiText-2 test windows of 2048 tokens; 0 = all")
     p.add_argument("--nsamples", type=int, default=4)
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--search-nsamples", type=int, default=1)
@@ -120,8 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
     p.add_argument("--out", default=None)
     p.add_argument("--cache", default=None, help="folder keeping the float model's log-probabilities between runs")
+    p.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new config after this many seconds (the JSON keeps what finished)")
     args = p.parse_args(argv)
-    out = Path(args.out or RESULTS / f"accuracy_issue43_{args.name}_cpu")
+    run_started = time.perf_counter()
+    device = torch.device(args.device)
+    out = Path(args.out or RESULTS / f"accuracy_issue43_{args.name}_{'cpu' if device.type == 'cpu' else 'gpu'}")
     calib_dir = Path(args.data_dir) / "c4" / "c4-train"
     settings = {"model": args.name, "windows": args.windows,
                 "eval": "WikiText-2 test (raw), seqlen 2048, non-overlapping windows from the start; token perplexity "
@@ -129,6 +141,9 @@ def main(argv=None) -> int:
                 "calibration": f"C4 train documents, {args.nsamples} x {args.calib_seqlen} tokens, seed 0; AWQ search "
                                f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block, "
                                "sensitivity on 1 x 512 tokens"}
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
+        settings["device"] = f"{torch.cuda.get_device_name(device)}, float32, TF32 off"
     path = out.with_suffix(".json")
     report = json.loads(path.read_text()) if path.exists() else {"settings": settings, "commands": [], "results": {}}
     if {k: v for k, v in report["settings"].items() if k != "tokens"} != settings:
@@ -136,9 +151,11 @@ def main(argv=None) -> int:
     report["commands"].append("python benchmarks/accuracy_issue43.py " + " ".join(sys.argv[1:]))
     names = [n for n in args.configs.split(",") if n and n not in report["results"]]
     base, tokenizer, _ = load_source_model(args.model, dtype=torch.float32)
+    base = base.to(device)
     corpus = load_corpus("wikitext", args.data_dir)
-    ids = torch.tensor(tokenizer(corpus.stream, verbose=False)["input_ids"], dtype=torch.long)
-    windows = [ids[i * 2048:(i + 1) * 2048] for i in range(args.windows)]
+    ids = torch.tensor(tokenizer(corpus.stream, verbose=False)["input_ids"], dtype=torch.long, device=device)
+    count = args.windows or ids.numel() // 2048
+    windows = [ids[i * 2048:(i + 1) * 2048] for i in range(count)]
     cache = Path(args.cache) / f"reference_{args.name}_{args.windows}.pt" if args.cache else None
     if cache is not None and cache.exists():   # the float model's log-probabilities, kept between runs
         reference = torch.load(cache)
@@ -151,6 +168,9 @@ def main(argv=None) -> int:
     report["settings"]["tokens"] = sum(w.numel() - 1 for w in windows)
     calib = get_calibration(str(calib_dir), tokenizer, args.nsamples, args.calib_seqlen, 0)
     for name in names:
+        if args.budget_s is not None and time.perf_counter() - run_started > args.budget_s:
+            print(f"time budget of {args.budget_s} s spent: stopping before {name}", flush=True)
+            break
         started = time.perf_counter()
         if name == "fp":   # from the kept log-probabilities: no second pass
             nll = -sum(float(r.gather(-1, w[1:, None]).sum()) for r, w in zip(reference, windows))
@@ -159,7 +179,7 @@ def main(argv=None) -> int:
         else:
             model = copy.deepcopy(base)
             config = QuantConfig(**parse_config(name, args))
-            fp4ptq.quantize(model, config, calib, progress=False)
+            fp4ptq.quantize(model, config, calib, device=device, progress=False)
             quantize_s = time.perf_counter() - started
             entry = evaluate(model, windows, reference)
             entry["quantize_s"] = round(quantize_s, 1)
