@@ -111,6 +111,9 @@ def main() -> None:
                         help="re-run --types (default: those that failed in fp4ptq's stages) into the existing results")
     args = parser.parse_args()
     out = Path(args.output)
+    if args.update and not out.with_suffix(".json").exists():
+        parser.error(f"--update re-runs into existing results, and {out.with_suffix('.json')} does not exist: "
+                     "run once without --update first (or give --output)")
     results = json.loads(out.with_suffix(".json").read_text())["results"] if args.update else {}
     ours = ("quantize", "save", "load", "process")
     types = (args.types.split(",") if args.types else
