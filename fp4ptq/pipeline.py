@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import __version__, distributed, rotation, sensitivity
-from .config import ConfigError, QuantConfig
+from .config import QuantConfig
 from .models import InputGroup, set_module
 from .moe import _down, _quantize_expert_list, _quantize_experts
 from .solve import (  # noqa: F401 - re-exported: fp4ptq.pipeline is where users find the block runner's parts
@@ -279,6 +279,7 @@ def quantize(
         check_decoder_only,
         discover_block,
         find_blocks,
+        head_name,
     )
 
     if not isinstance(config, QuantConfig):
@@ -314,18 +315,23 @@ def quantize(
     use_data = calib is not None and config.needs_calibration
 
     # Issue 43: rotations (the float model's function unchanged), then the parts kept in bf16 by measurement.
+    # A family with a table takes its plan from the table; any other from what one probe forward shows.
     rotation_info = keep_info = None
     config_record = config
-    if config.rotate is not None or config.keep_budget is not None:
-        if spec is None or layers_path != spec.layers:
-            raise ConfigError(f"QuantConfig.rotate / keep_budget need an architecture table in fp4ptq/models.py "
-                              f"(Llama family) for now; model_type={getattr(model.config, 'model_type', None)!r} has none")
+    tabled = spec is not None and layers_path == spec.layers
     if config.rotate is not None:
-        plan = rotation.plan_from_spec(model, spec, config.rotate_online, config.rotate_residual)
+        head = head_name(model)
+        if tabled:
+            plan = rotation.plan_from_spec(model, spec, config.rotate_online, config.rotate_residual)
+        else:
+            probe = _probe_inputs(model, blocks)
+            plan = rotation.plan_from_discovery(model, layers_path, blocks, probe.hidden[0], probe.calls,
+                                                config.rotate_online, config.rotate_residual)
         rotation_info = rotation.rotate_model(model, plan, config.rotate,
-                                              seed=config.seed if config.rotate_random else None, head=spec.head)
+                                              seed=config.seed if config.rotate_random else None, head=head)
     if config.keep_budget is not None:
-        keep_info = sensitivity.choose(model, _keep_candidates(model, spec, blocks, config), calib, config, progress)
+        keep_info = sensitivity.choose(model, _keep_candidates(model, layers_path, blocks, config), calib, config,
+                                       progress)
         config = replace(config, ignore=config.ignore + tuple(keep_info["kept"]))
 
     # Block inputs: the calibration data's, or (no data needed) a short synthetic
@@ -336,9 +342,7 @@ def quantize(
         inputs.hidden = [h.to(device) for h in inputs.hidden]
         probe_inputs = None
     else:
-        vocab = model.get_input_embeddings().weight.shape[0]
-        synthetic = (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0)
-        probe_inputs = capture_block_inputs(model, blocks, synthetic)
+        probe_inputs = _probe_inputs(model, blocks)
         inputs = None
 
     layers, smoothing_info, groups_info = {}, {}, {}
@@ -398,28 +402,40 @@ def quantize(
     return model
 
 
-def _keep_candidates(model: nn.Module, spec, blocks: nn.ModuleList, config: QuantConfig) -> dict:
+def _probe_inputs(model: nn.Module, blocks: nn.ModuleList) -> BlockInputs:
+    """The blocks' inputs on a short synthetic sequence (PROBE_TOKENS tokens): enough for discovery
+    to see each block's structure."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return capture_block_inputs(model, blocks, (torch.arange(PROBE_TOKENS) % vocab).unsqueeze(0))
+
+
+def _keep_candidates(model: nn.Module, layers_path: str, blocks: nn.ModuleList, config: QuantConfig) -> dict:
     """The parts ``keep_budget`` chooses among: ``{part name: [(linear name, module), ...]}`` over the
-    linears the run would quantize (from the architecture table). A fused group (q/k/v, gate/up) is one
-    part: engines fuse it into one GEMM of one format, so it is kept or quantized whole; with
-    ``keep_unit="block"`` a part is a block."""
+    linears the run would quantize, as discovery finds them in each block. A fused set (q/k/v,
+    gate/up: one weight global scale) is one part: engines fuse it into one GEMM of one format, so it
+    is kept or quantized whole; with ``keep_unit="block"`` a part is a block."""
+    from .models import discover_block, head_name
     from .nvfp4 import BLOCK_SIZE
 
+    probe = _probe_inputs(model, blocks)
     out = {}
     for index, block in enumerate(blocks):
-        prefix = f"{spec.layers}.{index}"
-        for group in spec.groups:
-            members = [(_join(prefix, n), block.get_submodule(n))
-                       for n in _split_quantizable(block, group, config, prefix, {})]
-            if config.keep_unit == "block":
-                out.setdefault(prefix, []).extend(members)
-            elif group.fused and len(members) > 1:
-                out[f"{prefix}.{{{', '.join(n[len(prefix) + 1:] for n, _ in members)}}}"] = members
-            else:
-                out.update({n: [(n, m)] for n, m in members})
-    head = dict(model.named_modules()).get(spec.head)
-    if isinstance(head, nn.Linear) and not config.is_ignored(spec.head) and head.in_features % BLOCK_SIZE == 0:
-        out[spec.head] = [(spec.head, head)]
+        prefix = f"{layers_path}.{index}"
+        plan = discover_block(block, probe.hidden[0], probe.calls[index], probe=False)
+        for group in plan.groups:
+            quantized = set(_split_quantizable(block, group, config, prefix, {}))
+            for rounding_set in group.rounding_sets():
+                members = [(_join(prefix, n), block.get_submodule(n)) for n in rounding_set if n in quantized]
+                if config.keep_unit == "block":
+                    out.setdefault(prefix, []).extend(members)
+                elif len(members) > 1:
+                    out[f"{prefix}.{{{', '.join(n[len(prefix) + 1:] for n, _ in members)}}}"] = members
+                else:
+                    out.update({n: [(n, m)] for n, m in members})
+    head = head_name(model)
+    module = model.get_submodule(head) if head else None
+    if isinstance(module, nn.Linear) and not config.is_ignored(head) and module.in_features % BLOCK_SIZE == 0:
+        out[head] = [(head, module)]
     return out
 
 
