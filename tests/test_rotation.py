@@ -66,6 +66,20 @@ def _calib(n=4, t=32):
     return torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(1))
 
 
+def _rotated_and_saved(model, path):
+    """Check that every down_proj is an NVFP4Linear with its online rotation, save the model to
+    ``path``; returns ``(ids, logits)`` to compare the loaded model with."""
+    import fp4ptq
+
+    for layer in model.model.layers:
+        assert type(layer.mlp.down_proj).__name__ == "NVFP4Linear" and rotation.online_transform(layer.mlp.down_proj)
+    ids = _calib(2, 16)
+    with torch.no_grad():
+        before = model(ids).logits
+    fp4ptq.save(model, path)
+    return ids, before
+
+
 @pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
 def test_rotated_checkpoint_round_trips_with_its_transform_config(tmp_path, scheme):
     import json
@@ -76,12 +90,8 @@ def test_rotated_checkpoint_round_trips_with_its_transform_config(tmp_path, sche
     model = _tiny("llama")
     config = fp4ptq.QuantConfig(method="rtn", four_six="mse", scheme=scheme, rotate=32, nsamples=4, seqlen=32)
     fp4ptq.quantize(model, config, _calib(), progress=False)
+    ids, before = _rotated_and_saved(model, tmp_path / "ckpt")
     down = model.model.layers[1].mlp.down_proj
-    assert type(down).__name__ == "NVFP4Linear" and rotation.online_transform(down) is not None
-    ids = _calib(2, 16)
-    with torch.no_grad():
-        before = model(ids).logits
-    fp4ptq.save(model, tmp_path / "ckpt")
     qcfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
     transforms = TransformConfig.model_validate(qcfg["transform_config"])
     scheme_ = transforms.config_groups[rotation.TRANSFORM_GROUP]
@@ -116,3 +126,142 @@ def test_smoothing_skips_an_online_rotated_input():
     down = smoothing["model.layers.0.mlp.down_proj"]   # discovery sees no exact fold past the rotation
     assert "skipped" in down and "awq_ratio" not in down
     assert "awq_ratio" in smoothing["model.layers.0.mlp.gate_proj"]
+
+
+# --------------------------------------------------------------------------- #
+# Plans found by discovery (models without an architecture table)
+# --------------------------------------------------------------------------- #
+def _discovered(model, online=("mlp.down_proj",), residual=True):
+    from fp4ptq.models import find_blocks
+    from fp4ptq.pipeline import _probe_inputs
+
+    path, blocks = find_blocks(model)
+    probe = _probe_inputs(model, blocks)
+    return rotation.plan_from_discovery(model, path, blocks, probe.hidden[0], probe.calls, online, residual)
+
+
+def _tiny_any(model_type: str, **extra):
+    """A tiny model of transformers' own config class, with non-trivial norm weights and biases."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**kw, **extra})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith("bias") or p.dim() == 3 or "gate.weight" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_discovery_plan_equals_the_table_plan(kind):
+    model = _tiny(kind)
+    table = rotation.plan_from_spec(model, arch_spec(model))
+    found = _discovered(model)
+    assert found.lists() == table.lists() and found.source == "discovery" and not found.notes
+    assert set(found.norm_forms.values()) == {"weight"}
+    assert _discovered(model, residual=False).lists() == rotation.plan_from_spec(model, arch_spec(model),
+                                                                                   residual=False).lists()
+
+
+# granite: embedding / residual / attention multipliers and logits scaling; phi3: fused qkv (v rows) and
+# gate_up; gemma: (1 + weight) norms and scaled embeddings; qwen3_moe: router and experts (offline only).
+@pytest.mark.parametrize("model_type,extra,online", [
+    ("granite", dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                     logits_scaling=4.0), ("mlp.down_proj",)),
+    ("phi3", {}, ("mlp.down_proj",)),
+    ("gemma", {}, ("mlp.down_proj",)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), ()),
+])
+def test_discovered_rotation_keeps_the_logits_of_table_less_models(model_type, extra, online):
+    from fp4ptq.experts import linearize_model
+    from fp4ptq.models import ARCHITECTURES
+
+    assert model_type not in ARCHITECTURES
+    model = _tiny_any(model_type, **extra)
+    linearize_model(model)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    plan = _discovered(model, online)
+    info = rotation.rotate_model(model, plan, 16, seed=0)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.allclose(after, before, atol=2e-5, rtol=1e-4), (after - before).abs().max()
+    assert info["probe_logits_change"] < 1e-5 and info["plan"] == "discovery"
+    assert len(plan.heads) == 2 and len(info["online"]) == 2 * len(online)
+    assert plan.readers[-1] == "lm_head" and plan.embeddings == ["model.embed_tokens"]
+    if model_type == "phi3":   # v is the last quarter... of the fused qkv rows: q 64, k 32, v 32
+        assert plan.head_rows == {f"model.layers.{i}.self_attn.qkv_proj": (96, 128) for i in range(2)}
+    if model_type == "gemma":
+        assert set(plan.norm_forms.values()) == {"offset"}
+        assert all(not model.get_submodule(n).weight.any() for n in plan.norm_forms)
+    if model_type == "qwen3_moe":   # the router and every expert rotated (the routing is unchanged)
+        assert "model.layers.0.mlp.gate" in plan.readers
+        assert {f"model.layers.0.mlp.experts.{e}.down_proj" for e in range(4)} <= set(plan.writers)
+        assert {f"model.layers.0.mlp.experts.{e}.up_proj" for e in range(4)} <= set(plan.readers)
+        again = _tiny_any(model_type, **extra)
+        linearize_model(again)
+        with pytest.raises(rotation.RotationError, match="expert linear model.layers.0.mlp.experts.0.down_proj"):
+            _discovered(again, ("mlp.experts.*.down_proj",))
+
+
+@pytest.mark.parametrize("model_type,match", [
+    ("olmo2", "model.layers.0.self_attn.o_proj writes through the norm model.layers.0.post_attention_layernorm"),
+    ("gemma3_text", "post_attention_layernorm .*sandwich"),
+    ("cohere", "model.layers.0.input_layernorm .*subtracts the mean"),
+    ("phi", "model.layers.0.input_layernorm .*bias"),
+])
+def test_a_model_that_cannot_be_rotated_exactly_is_refused_before_any_change(model_type, match):
+    from fp4ptq import cli
+    from fp4ptq.models import UnsupportedArchitecture
+
+    model = _tiny_any(model_type, **({"partial_rotary_factor": 0.5} if model_type == "phi" else {}))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(rotation.RotationError, match=match) as caught:
+        _discovered(model)
+    assert isinstance(caught.value, UnsupportedArchitecture)
+    assert cli._exit_code_for(caught.value) == cli.EXIT_UNSUPPORTED == 5
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_the_probe_refuses_a_plan_that_changes_the_function():
+    model = _tiny("llama")
+    plan = rotation.plan_from_spec(model, arch_spec(model))
+    plan.writers.remove("model.layers.1.mlp.down_proj")   # one writer forgotten
+    with pytest.raises(rotation.RotationError, match="logits differ .* does not preserve"):
+        rotation.rotate_model(model, plan, 16, seed=0)
+
+
+def test_norm_forms_are_measured():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert rotation.norm_form(LlamaRMSNorm(32), "a") == "weight"
+    assert rotation.norm_form(GemmaRMSNorm(32), "b") == "offset"
+    with pytest.raises(rotation.RotationError, match="c .*bias"):
+        rotation.norm_form(torch.nn.LayerNorm(32), "c")
+    with pytest.raises(rotation.RotationError, match="d .*subtracts the mean"):
+        rotation.norm_form(torch.nn.LayerNorm(32, bias=False), "d")
+
+
+@pytest.mark.parametrize("model_type", ["granite"])
+def test_rotated_table_less_model_quantizes_and_round_trips(tmp_path, model_type):
+    import fp4ptq
+
+    model = _tiny_any(model_type, embedding_multiplier=2.0, residual_multiplier=0.5, tie_word_embeddings=True)
+    config = fp4ptq.QuantConfig(method="rtn", four_six="mse", scheme="w4a16", rotate=16, keep_budget="1")
+    fp4ptq.quantize(model, config, _calib(2, 16), progress=False)
+    info = model.fp4ptq_info
+    assert info["rotation"]["plan"] == "discovery" and info["rotation"]["head_untied"]
+    assert len(info["keep"]["kept_parts"]) == 1 and len(info["keep"]["kl_increase"]) == 2 * 4   # q/k/v, o, gate/up, down per block
+    ids, before = _rotated_and_saved(model, tmp_path / "ckpt")
+    loaded = fp4ptq.load(tmp_path / "ckpt", device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, before, atol=1e-5, rtol=1e-5)
+    assert loaded.fp4ptq_info["rotation"]["plan"] == "discovery"
