@@ -307,7 +307,7 @@ def _untie_head(model: nn.Module, head_name: str) -> bool:
 # The plan from discovery (any pre-norm decoder with RMSNorm-type norms)
 # --------------------------------------------------------------------------- #
 # Relative output change a rotation check accepts (float32 forwards of float64-rotated weights).
-CHECK_TOLERANCE = 1e-4
+CHECK_TOLERANCE = 1e-3
 
 
 def _orthogonal(dim: int, seed: int) -> torch.Tensor:
@@ -632,7 +632,9 @@ def rotate_model(model: nn.Module, plan: RotationPlan, block: int, *, seed: Opti
         raise RotationError(f"rotation block {block} is not one of {ROTATION_BLOCKS}")
     get = model.get_submodule
     hidden = model.get_input_embeddings().weight.shape[1]
-    ids = (torch.arange(PROBE_TOKENS) % model.get_input_embeddings().weight.shape[0])[None]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(vocab // 8, max(vocab // 2, vocab // 8 + 1), (1, PROBE_TOKENS),
+                        generator=torch.Generator().manual_seed(0))
     before = _probe_logits(model, ids) if probe else None
     b_res = block_for(hidden, block) if plan.readers or plan.writers or plan.embeddings else None
     b_head = block_for(plan.head_dim, block) if plan.heads else None
@@ -691,10 +693,12 @@ def rotate_model(model: nn.Module, plan: RotationPlan, block: int, *, seed: Opti
     return record
 
 
-# Tokens of the function-preservation probe, and the relative logits change it accepts per dtype
-# (rotated weights are rounded back to the model's dtype).
+# Tokens of the function-preservation probe (ordinary ids from the vocabulary's middle: the first ids
+# are special tokens on which half-precision models are chaotic), and the relative logits change it
+# accepts per dtype: rotated weights are rounded back to the model's dtype, and a bf16 model's logits
+# move by 2-3% from that alone (SmolLM2-135M, Qwen2.5-Coder-0.5B); a plan that is wrong moves them ~50-150%.
 PROBE_TOKENS = 8
-PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.15, torch.float16: 0.05}
 
 
 @torch.no_grad()
