@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the residual stream unrotated (only per-head v/o and the online rotations)")
     q.add_argument("--rotate-online", metavar="NAMES",
                    help="comma list of linears (relative to a decoder block, globs allowed) whose inputs are "
-                        "rotated at run time (default: mlp.down_proj)")
+                        "rotated at run time (default: mlp.down_proj; '' for none, e.g. on MoE models)")
     q.add_argument("--weight-scale-search", action="store_true",
                    help="each weight's global scale by the whole tensor's reconstruction error (4/6 inside)")
     q.add_argument("--input-scale-search", action="store_true",

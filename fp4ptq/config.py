@@ -70,7 +70,9 @@ class QuantConfig:
     methods/scale_search.py):
     rotate:      None or a block-Hadamard rotation block (16, 32, 64, 128), folded into
                  the weights where exact and online at the inputs of ``rotate_online``
-                 (names relative to a decoder block, globs allowed).
+                 (names relative to a decoder block, globs allowed; ``()`` for none). Any
+                 pre-norm decoder with RMSNorm-type norms (planned by the table or by
+                 discovery); what cannot be rotated exactly raises ``RotationError``.
     rotate_random: random signs in the Hadamard blocks (from ``seed``).
     rotate_residual: also rotate the residual stream (embeddings, norms folded, every reader
                  and writer); False keeps only the per-head v/o and the online rotations.
