@@ -127,7 +127,22 @@ class LinearExperts(nn.ModuleList):
             return None
         from . import kernels
 
-        return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2], self.apply_gate)
+        return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2],
+                                   self.fused_gating() or self.apply_gate)
+
+    def fused_gating(self) -> Optional[str]:
+        """"silu" where the replaced module's gating is transformers' default (``act_fn(gate) * up`` on
+        ``[gate | up]``, not overridden) with a SiLU ``act_fn``: the grouped path then fuses it
+        (``kernels.grouped.swiglu``); else None, and the grouped path calls ``apply_gate``."""
+        try:
+            from transformers.activations import SiLUActivation
+            from transformers.integrations.moe import _default_apply_gate
+        except ImportError:  # a transformers without them: the module's own gating
+            return None
+        gating = self._gating
+        default = getattr(type(gating), "_apply_gate", None) is _default_apply_gate and "_apply_gate" not in vars(gating)
+        silu = isinstance(getattr(gating, "act_fn", None), (nn.SiLU, SiLUActivation))
+        return "silu" if self.concatenated and default and silu else None
 
     def _stacked_weights(self, device: torch.device):
         """(held, w13, w2) ``grouped.StackedWeight`` of the experts, built at the first call: each expert's

@@ -208,6 +208,29 @@ def test_routing_and_combine_kernels_compile_for_sm90_and_sm80(arch):
     assert "fma.rn.f32" not in combine.asm["ptx"] and local_bytes(combine.asm["ptx"]) == 0
 
 
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_gating_and_split_combine_kernels_compile_for_sm90_and_sm80(arch):
+    """The consumers of split launches (the fused gating from bf16 rows and from 3 fp32 partials, the
+    combine summing 3 partials) compile for sm_90 and sm_80 without local memory; the combine is built
+    without FMA contraction (its roundings are torch's)."""
+    import re
+
+    from compile_target import compile_for
+
+    def local_bytes(ptx):
+        return sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
+
+    ptrs = {"valid_ptr": "*u8", "out_ptr": "*i16", "position_ptr": "*i32", "w_ptr": "*bf16"}
+    built = [compile_for(G._swiglu_kernel, dict(ptrs, y_ptr=y), {"S": s, "BLOCK": 1024, "OUT_BF16": True},
+                         arch=arch, num_warps=4) for y, s in (("*bf16", 1), ("*fp32", 3))]
+    combine = compile_for(G._combine_kernel, dict(ptrs, y_ptr="*fp32"), {"K": 8, "BLOCK_N": 512, "OUT_BF16": True,
+                                                                          "S": 3}, arch=arch, num_warps=4,
+                          enable_fp_fusion=False)
+    assert all(local_bytes(b.asm["ptx"]) == 0 for b in built + [combine]), arch
+    assert "fma.rn.f32" not in combine.asm["ptx"]
+
+
 @interpreted
 @pytest.mark.parametrize("a4,four_six", [(False, None), (True, None), (True, "mse")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -358,12 +381,44 @@ def test_moe_end_to_end_equals_the_torch_glue():
         assert torch.equal(G.moe(h, idx, tw, w13, w2, gate), G.combine_reference(y, r, tw, h.dtype))
 
 
+def _qwen3_gating():
+    """transformers' Qwen3-MoE experts module (default gating, SiLU act_fn), without weights to speak of."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    return Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=8, num_experts=1))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
+def test_linear_experts_fuse_only_the_default_silu_gating():
+    """The grouped path fuses the gating ("silu") only for transformers' default ``act_fn(gate) * up``
+    on concatenated halves with a SiLU act_fn (Qwen3-MoE, Mixtral); another act_fn, an overridden
+    ``_apply_gate`` (gpt-oss' clamped SwiGLU; the stub) or interleaved halves keep the layer's own."""
+    from transformers.activations import ACT2FN
+
+    layer = _quantized_experts(2, 32, 16)
+    assert layer.fused_gating() is None                                     # the stub's own _apply_gate
+    gating = _qwen3_gating()
+    qwen3 = LinearExperts(list(layer), gating, True, 2)
+    assert qwen3.fused_gating() == "silu"
+    assert LinearExperts(list(layer), gating, False, 2).fused_gating() is None
+    gating.act_fn = ACT2FN["gelu"]
+    assert qwen3.fused_gating() is None
+    gating.act_fn = torch.nn.SiLU()
+    assert qwen3.fused_gating() == "silu"
+
+
 @interpreted
-@pytest.mark.parametrize("scheme,four_six", [("w4a16", None), ("w4a4", "mse")])
-def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
+@pytest.mark.parametrize("scheme,four_six,gating", [("w4a16", None, "stub"), ("w4a4", "mse", "stub"),
+                                                    ("w4a16", None, "qwen3")])
+def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six, gating):
     """LinearExperts (3 experts, top-2, biases, one expert without a token) through the hook's grouped
-    path against its own loop over NVFP4Linear experts; a single token too."""
+    path against its own loop over NVFP4Linear experts; a single token too. The stub's gating goes
+    through torch ops, Qwen3-MoE's default SiLU gating through the fused ``swiglu``."""
     layer = _quantized_experts(3, 32, 16, scheme, four_six, seed=10, bias=True)
+    if gating == "qwen3":
+        layer = LinearExperts(list(layer), _qwen3_gating(), True, 3)
+        assert layer.fused_gating() == "silu"
     g = torch.Generator().manual_seed(11)
     hidden = _x(5, 32, seed=12)
     idx = torch.tensor([[0, 2], [2, 0], [0, 0], [2, 3], [2, 2]])  # 3: a masked slot
@@ -373,6 +428,130 @@ def test_linear_experts_grouped_forward_matches_the_loop(scheme, four_six):
         grouped = layer.grouped_forward(h, i, w)
         assert grouped is not None and grouped.dtype == loop.dtype
         assert _rel(grouped, loop) < TOLERANCE
+
+
+@interpreted
+@pytest.mark.parametrize("a4", [False, True])
+def test_split_k_partials_are_within_tolerance_and_bit_identical_run_to_run(a4):
+    """K split in 3 (K = 80: slices of 32, 32 and 16 columns) and not split: 5 experts (two without a
+    token), a masked slot, biases, and a single token: the fp32 partials ``[S, P, N]`` summed in split
+    order are within the dense kernels' tolerance of the reference (W4A16, and W4A4 on the 7 tokens), two
+    runs give the same bits, the bias is in the first slice only, and the summed form leaves the rows of
+    no expert as given."""
+    e, n, k = 5, 40, 80
+    ws = _weights(e, n, k, seed=30)
+    bias = torch.randn(e, n, generator=torch.Generator().manual_seed(31)).bfloat16() * 0.1
+    sw = G.stack_weights(ws, list(bias), [torch.tensor(2.0 + i) for i in range(e)] if a4 else None)
+    x = _x(7, k, seed=32)
+    for idx in (INDEX_5,) if a4 else (INDEX_5, torch.tensor([[3]])):
+        r = G.route(idx, e)
+        ref = G.grouped_linear_reference(x[:idx.shape[0]], r, sw)
+        v = r.valid
+        for split in (1, 3):
+            runs = [G.grouped_linear(x[:idx.shape[0]], r, sw, split=split, partials=True) for _ in range(2)]
+            assert runs[0].shape == ((3, r.pairs, n) if split == 3 else (r.pairs, n))
+            assert torch.equal(runs[0][..., v, :], runs[1][..., v, :])
+            assert _rel(G.sum_partials(runs[0])[v], ref[v]) < TOLERANCE
+        no_bias = G.stack_weights(ws, None, sw.input_amax, sw.four_six)
+        parts = G.grouped_linear(x[:idx.shape[0]], r, no_bias, split=3, partials=True)
+        assert torch.equal(runs[0][1:, v], parts[1:, v])                      # bias: first slice only
+        out = torch.full((r.pairs, n), float("nan"), dtype=x.dtype)
+        y = G.grouped_linear(x[:idx.shape[0]], r, sw, split=3, out=out)
+        assert y is out and torch.isnan(y[~v]).all()
+        assert torch.equal(y[v], G.sum_partials(runs[0])[v].to(x.dtype))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_kernel_equals_the_torch_gating(dtype):
+    """The fused gating (one launch) from w13's output [P, 2I] and from fp32 partials [3, P, 2I]: within
+    two output ulps of ``swiglu_reference`` (fp32 silu * u rounded once) and within the dense kernels'
+    tolerance of torch's ``silu(g) * u`` on 16-bit g and u; rows of no expert not written; large |g| (exp
+    overflow) gives silu's limits."""
+    g = torch.Generator().manual_seed(33)
+    idx = torch.tensor([[0, 2], [2, 5], [4, 0]])                  # a masked slot: sorted last, not valid
+    r = G.route(idx, 5)
+    inter = 24
+    parts = torch.randn(3, r.pairs, 2 * inter, generator=g) * 2
+    parts[0, 0, :4] = torch.tensor([-200.0, 200.0, -30.0, 0.0])
+    for gate_up in (parts.sum(0).to(dtype), parts):
+        act = G.swiglu(gate_up, r, dtype)
+        ref = G.swiglu_reference(gate_up, r, dtype)
+        v = r.valid
+        assert act.dtype == dtype and torch.isfinite(act[v]).all()
+        ulp = torch.finfo(dtype).eps
+        assert ((act[v].float() - ref[v].float()).abs() <= ref[v].float().abs() * 2 * ulp + 1e-6).all()
+        gu = G.sum_partials(gate_up).to(dtype)
+        torch_form = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        assert _rel(act[v], torch_form[v]) < TOLERANCE
+    assert act[0, 0] == 0 and act[0, 2].float().abs() < 1e-9
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_sums_fp32_partials_bit_identically(dtype):
+    """The combine reading a split launch's fp32 partials [S, P, N] (S = 3; k = 1, 2, 8) adds them in
+    split order before the weighted sum: bit for bit ``combine_reference``; rows of no expert not read."""
+    g = torch.Generator().manual_seed(34)
+    for tokens, k, e, n in ((1, 1, 5, 24), (7, 2, 5, 40), (5, 8, 7, 600)):
+        idx = torch.randint(-1, e + 1, (tokens, k), generator=g)
+        r = G.route(idx, e)
+        y = torch.randn(3, r.pairs, n, generator=g) * torch.rand(3, r.pairs, n, generator=g).pow(4) * 10
+        y[:, ~r.valid] = float("nan")
+        w = torch.rand(tokens, k, generator=g).to(dtype)
+        got = G.combine(y, r, w, dtype)
+        assert got.dtype == dtype and not torch.isnan(got).any()
+        assert torch.equal(got.view(torch.int16), G.combine_reference(y, r, w, dtype).view(torch.int16))
+
+
+@interpreted
+def test_moe_fused_silu_with_split_k_matches_the_reference():
+    """``moe`` with gate="silu" (the single token splits K on both launches, in 3 and 2, on the
+    interpreter's 2-"SM" grid; 4 tokens do not): bit-identical from run to run; against the reference
+    layer no further off than the torch-gated layer is from its own (+10%), and within twice the dense
+    kernels' tolerance (a whole layer: here the interpreter's casts truncate both launches' bf16
+    outputs, 1.1e-2 for either gating); an unknown gating is refused."""
+    ws13, ws2 = _weights(3, 96, 96, seed=35), _weights(3, 96, 48, seed=36)
+    w13, w2 = G.stack_weights(ws13), G.stack_weights(ws2)
+    x = _x(4, 96, seed=37)
+    tw = torch.rand(4, 2, generator=torch.Generator().manual_seed(38)).bfloat16()
+    idx = torch.tensor([[0, 2], [2, 0], [0, 0], [2, 3]])
+
+    def silu_gate(a, b):
+        return torch.nn.functional.silu(a) * b
+    for i, h, w in ((idx, x, tw), (idx[:1, :1], x[:1], tw[:1, :1])):
+        r = G.route(i, 3)
+        single = r.pairs == 1
+        assert G.split_for(16, 96, 96, min(3, r.pairs), 32, 32, 2) == (3 if single else 1)
+        assert G.split_for(16, 96, 48, min(3, r.pairs), 32, 32, 2) == (2 if single else 1)
+        fused = [G.moe(h, i, w, w13, w2, "silu") for _ in range(2)]
+        assert torch.equal(fused[0], fused[1])
+        err = _rel(fused[0], G.moe(h, i, w, w13, w2, "silu", backend="reference"))
+        torch_gated = _rel(G.moe(h, i, w, w13, w2, silu_gate), G.moe(h, i, w, w13, w2, silu_gate, backend="reference"))
+        assert err < 2 * TOLERANCE and err <= 1.1 * torch_gated, (err, torch_gated)
+    with pytest.raises(nvfp4.NVFP4Error, match="gate must be one of"):
+        G.moe(x, idx, tw, w13, w2, "gelu")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
+def test_split_rule_on_the_h200_layers(monkeypatch):
+    """The decode split rule (132 SMs) on the benchmark's layers: Qwen3-30B-A3B at 1 token splits w13 in
+    2 and w2 in 3, Mixtral's w2 in 3 and in 2 at 16 tokens (Mixtral's w13, 16-token Qwen3 and every
+    prefill tile: no split)."""
+    monkeypatch.setattr(G, "INTERPRET", False)
+
+    def split(tokens, k, experts, n, kk):
+        pairs = tokens * k
+        bm = G.block_m_for(pairs, experts)
+        bn, bk, _, _ = G.kernel_config(bm, n, kk, G.tile_bound(pairs, experts, bm))
+        s = G.split_for(bm, n, kk, min(experts, pairs), bn, bk, 132)
+        return s, G.k_slices(kk, bk, s)[1]
+    assert split(1, 8, 128, 1536, 2048) == (2, 1024) and split(1, 8, 128, 2048, 768) == (3, 256)
+    assert split(1, 2, 8, 28672, 4096)[0] == 1 and split(1, 2, 8, 4096, 14336) == (3, 4864)
+    assert split(16, 8, 128, 1536, 2048)[0] == 1 and split(16, 2, 8, 4096, 14336) == (2, 7168)
+    assert split(4096, 8, 128, 2048, 768)[0] == 1
+    assert G.k_slices(80, 32, 8) == (3, 32) and G.k_slices(10 * 16, 16, 4) == (4, 48)
+
 
 
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")

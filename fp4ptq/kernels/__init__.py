@@ -22,7 +22,7 @@ objects, which replay the compiled kernels past Triton's argument binding (Trito
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -243,10 +243,11 @@ def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
 
 
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13, w2,
-                gate: Callable, *, backend: str = "auto") -> torch.Tensor:
+                gate: Union[str, Callable] = "silu", *, backend: str = "auto") -> torch.Tensor:
     """A Mixture-of-Experts layer's NVFP4 experts (``grouped.StackedWeight`` w13: gate over up rows, and
     w2) in one grouped launch per projection, reading only the experts that received tokens
-    (``grouped.py``); ``backend`` as the other ops (the reference is the loop over experts)."""
+    (``grouped.py``); ``gate``: "silu" (SwiGLU, fused) or the layer's ``gate(g, u)`` (``grouped.moe``);
+    ``backend`` as the other ops (the reference is the loop over experts)."""
     from . import grouped
 
     with _on_device_of(hidden):

@@ -13,12 +13,18 @@ The same kernel takes decode (a few pairs: one tile per active expert, each prog
 one expert's weight) and prefill (many pairs per expert: the tile of ``block_m`` rows reuses each
 decoded weight tile ``block_m`` times). Gate and up are one GEMM (w13): the caller stacks each expert's
 gate rows over its up rows (one shared weight global scale). The down projection reads the pairs in
-sorted order (no gather).
+sorted order (no gather). At decode (16-row tiles) on a grid short of programs, the launch splits K
+(``split_for``; program_id(2) walks one slice) and writes fp32 partial sums ``[S, P, N]`` (output scale
+applied, bias in the first slice) to a workspace; the consumers that run anyway add them in split order
+(no atomics: run-to-run bit-identical, and no launch added).
 
 The glue around the two launches is Triton too on CUDA (torch ops elsewhere, and for ``backend="reference"``):
 ``route`` is a stable counting sort in three small launches, one at decode (``route_triton``; about 15 torch ops cost more
-than both GEMMs at decode), and ``combine`` the weighted sum of each token's k rows in one launch reading y
-through the inverse permutation (``Routing.position``); each equals its torch form bit for bit.
+than both GEMMs at decode); ``swiglu`` the SwiGLU gating ``silu(g) * u`` of w13's output in one launch (fp32,
+rounded once; a layer with other gating passes its own ``gate(g, u)``, run as torch ops); and ``combine`` the
+weighted sum of each token's k rows in one launch reading y through the inverse permutation
+(``Routing.position``). The routing and the combine equal their torch forms bit for bit, the gating within
+the dense kernels' tolerance (the GPU's exp and division).
 
 Numerics, as the dense kernels (``gemm.py``): the weight is decoded to ``code value * block scale``
 (exact in 16 bits), the products summed in fp32 and the sum multiplied by ``2^14 / global_enc`` (one
@@ -33,7 +39,7 @@ tolerance (relative Frobenius error < 1e-2; docs/KERNELS.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import triton
@@ -41,7 +47,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
-from ._common import INTERPRET, _output_scale, cdiv, decode_tile
+from ._common import INTERPRET, _output_scale, _sm_count, cdiv, decode_tile
 from .quantize_kernel import FOUR_SIX_CODES, quantize_halves, signed_scaled
 
 
@@ -375,15 +381,93 @@ def route_triton(top_k_index: torch.Tensor, num_experts: int, block_m: Optional[
 
 
 # --------------------------------------------------------------------------- #
-# The combine: each token's k rows weighted and summed in fp32, in slot order
+# The consumers of the grouped launches: the SwiGLU gating after w13, the weighted combine after w2. Each
+# reads the launch's output ``[P, N]`` or, where it split K, its fp32 partial sums ``[S, P, N]``, added in
+# split order (``sum_partials``'s) before anything else.
 # --------------------------------------------------------------------------- #
+GATINGS = ("silu",)
+
+
+@triton.jit
+def _store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 ``v`` rounded to the output dtype; bf16 (``ptrs`` int16) rounds to nearest even by hand
+    (the interpreter's cast truncates), NaN as torch's 0x7FC0."""
+    if OUT_BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        tl.store(ptrs, tl.where(nan, 0x7FC0, rounded).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _summed_row(row_ptr, n, mask, stride_s, S: tl.constexpr):
+    """fp32 ``sum_s row[s * stride_s + n]``, from split 0 up (S = 1: the row widened)."""
+    acc = tl.load(row_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S):
+        acc = acc + tl.load(row_ptr + s * stride_s + n, mask=mask, other=0.0)
+    return acc
+
+
+def swiglu_reference(gate_up: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """``act [P, I]`` (``dtype``): ``silu(g) * u`` in fp32 of ``[g | u]``, the w13 output ``[P, 2I]`` or its
+    fp32 partial sums ``[S, P, 2I]`` added in split order (rows of no expert: whatever they hold)."""
+    gu = sum_partials(gate_up)
+    inter = gu.shape[1] // 2
+    return (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dtype)
+
+
+@triton.jit
+def _swiglu_kernel(y_ptr, valid_ptr, out_ptr, INTER, stride_s, stride_y, stride_o,
+                   S: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    if tl.load(valid_ptr + p) == 0:  # a pair of no expert: w13 never wrote its row, w2 never reads it
+        return
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < INTER
+    row = y_ptr + p * stride_y
+    g = _summed_row(row, n, ok, stride_s, S)
+    u = _summed_row(row + INTER, n, ok, stride_s, S)
+    act = g / (1.0 + tl.exp(-g)) * u                # silu(g) * u in fp32 (exp -> inf for g < -88: -0 * u)
+    _store_rounded(out_ptr + p * stride_o + n, act, ok, OUT_BF16)
+
+
+def swiglu(gate_up: torch.Tensor, routing: Routing, dtype: torch.dtype, *, backend: str = "auto") -> torch.Tensor:
+    """The SwiGLU gating of a MoE layer, ``act [P, I] = silu(g) * u`` in ``dtype`` from w13's output
+    ``[P, 2I]`` (gate over up columns) or its fp32 partial sums ``[S, P, 2I]`` (``grouped_linear(...,
+    partials=True)``), all in fp32 and rounded once: one launch on CUDA and under the interpreter (rows of
+    pairs of no expert are not written), ``swiglu_reference``'s torch ops elsewhere. In place of torch's
+    ``silu(g) * u`` on 16-bit g and u (two launches, three roundings); within the dense kernels' tolerance
+    of it (the kernel's exp and division are the GPU's approximate ones)."""
+    if gate_up.dim() not in (2, 3) or gate_up.shape[-2] != routing.pairs or gate_up.shape[-1] % 2:
+        raise nvfp4.NVFP4Error(f"swiglu: expected [P, 2I] or [S, P, 2I] with P = {routing.pairs}, got "
+                               f"{tuple(gate_up.shape)}")
+    if (not _kernels_for(gate_up, backend, "swiglu") or gate_up.stride(-1) != 1
+            or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        return swiglu_reference(gate_up, routing, dtype)
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((routing.pairs, inter), dtype=dtype, device=gate_up.device)
+    if routing.pairs == 0 or inter == 0:
+        return out
+    splits = gate_up.shape[0] if gate_up.dim() == 3 else 1
+    block = min(1024, triton.next_power_of_2(inter))
+    bf16 = dtype == torch.bfloat16
+    _swiglu_kernel[(routing.pairs, cdiv(inter, block))](
+        gate_up, routing.valid.view(torch.uint8), out.view(torch.int16) if bf16 else out, inter,
+        gate_up.stride(0) if splits > 1 else 0, gate_up.stride(-2), out.stride(0),
+        S=splits, BLOCK=block, OUT_BF16=bf16, num_warps=4)
+    return out
+
+
 def combine_reference(y: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor,
                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``out [T, N]`` (``dtype``, default y's): ``sum_s top_k_weights[t, s] * y[sorted position of (t, s)]``
-    in torch ops: the products in fp32, summed slot 0 + slot 1 + ... from 0 (pairs of no expert add 0)."""
+    """``out [T, N]`` (``dtype``, default y's): ``sum_s top_k_weights[t, s] * y[sorted
+    position of (t, s)]`` in torch ops: y's rows in fp32 (``[S, P, N]`` partial sums added in split order),
+    the products in fp32, summed slot 0 + slot 1 + ... from 0 (pairs of no expert add 0)."""
     tokens, k = top_k_weights.shape
     w = top_k_weights.reshape(-1)[routing.order].float()
-    contrib = torch.where(routing.valid[:, None], y.float() * w[:, None], 0.0)
+    contrib = torch.where(routing.valid[:, None], sum_partials(y) * w[:, None], 0.0)
     per_pair = torch.empty_like(contrib).index_copy_(0, routing.order, contrib).view(tokens, k, -1)
     acc = torch.zeros_like(per_pair[:, 0])
     for s in range(k):  # explicitly in slot order: torch's sum over k may use several accumulators
@@ -392,8 +476,8 @@ def combine_reference(y: torch.Tensor, routing: Routing, top_k_weights: torch.Te
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, position_ptr, valid_ptr, out_ptr, N, stride_y, stride_o,
-                    K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, position_ptr, valid_ptr, out_ptr, N, stride_y, stride_o, stride_s,
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, S: tl.constexpr = 1):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -403,44 +487,41 @@ def _combine_kernel(y_ptr, w_ptr, position_ptr, valid_ptr, out_ptr, N, stride_y,
         p = tl.load(position_ptr + pair).to(tl.int64)
         v = (tl.load(valid_ptr + p) + tl.zeros((BLOCK_N,), dtype=tl.uint8)) != 0
         w = tl.load(w_ptr + pair).to(tl.float32)
-        yv = tl.load(y_ptr + p * stride_y + n, mask=n_ok & v, other=0.0).to(tl.float32)
+        yv = _summed_row(y_ptr + p * stride_y, n, n_ok & v, stride_s, S)
         acc = acc + tl.where(v, yv * w, 0.0)        # (built without FMA contraction: torch's roundings)
-    if OUT_BF16:  # round to nearest even by hand (the interpreter's cast truncates); NaN as torch's 0x7FC0
-        bits = acc.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        tl.store(out_ptr + t * stride_o + n, tl.where(nan, 0x7FC0, rounded).to(tl.int16), mask=n_ok)
-    else:
-        tl.store(out_ptr + t * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _store_rounded(out_ptr + t * stride_o + n, acc, n_ok, OUT_BF16)
 
 
 def combine(y: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, dtype: Optional[torch.dtype] = None,
             *, backend: str = "auto") -> torch.Tensor:
     """A MoE layer's weighted sum: ``out [T, N]`` (``dtype``, default y's) with row t the fp32 sum, in slot
     order, of ``top_k_weights[t, s] * y[p]`` over the slots s, p the sorted position of pair (t, s) (y in
-    sorted order, ``[P, N]``); pairs of no expert add 0 (their rows are never read). One launch on CUDA
-    and under the interpreter, bit-identical to ``combine_reference``."""
+    sorted order, ``[P, N]``, or the fp32 partial sums ``[S, P, N]`` of a launch that split K, added in
+    split order first); pairs of no expert add 0 (their rows are never read). One launch on CUDA and under
+    the interpreter, bit-identical to ``combine_reference``."""
     tokens, k = top_k_weights.shape
-    if y.dim() != 2 or y.shape[0] != routing.pairs or tokens * k != routing.pairs:
-        raise nvfp4.NVFP4Error(f"combine: y [{routing.pairs}, N] and top_k_weights [T, k] with T * k = "
-                               f"{routing.pairs} expected; got {tuple(y.shape)}, {tuple(top_k_weights.shape)}")
+    if y.dim() not in (2, 3) or y.shape[-2] != routing.pairs or tokens * k != routing.pairs:
+        raise nvfp4.NVFP4Error(f"combine: y [{routing.pairs}, N] (or [S, {routing.pairs}, N]) and top_k_weights "
+                               f"[T, k] with T * k = {routing.pairs} expected; got {tuple(y.shape)}, "
+                               f"{tuple(top_k_weights.shape)}")
     dtype = dtype or y.dtype
     if (not _kernels_for(y, backend, "combine") or routing.position is None
             or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return combine_reference(y, routing, top_k_weights, dtype)
-    n = y.shape[1]
+    n = y.shape[-1]
     out = torch.empty((tokens, n), dtype=dtype, device=y.device)
     if tokens == 0 or n == 0:
         return out
-    if y.stride(1) != 1:
+    if y.stride(-1) != 1:
         y = y.contiguous()
     w = top_k_weights.contiguous()
     block_n = min(512, triton.next_power_of_2(n))
     bf16 = dtype == torch.bfloat16
+    splits = y.shape[0] if y.dim() == 3 else 1
     _combine_kernel[(tokens, cdiv(n, block_n))](
         y, w, routing.position, routing.valid.view(torch.uint8), out.view(torch.int16) if bf16 else out,
-        n, y.stride(0), out.stride(0), K=k, BLOCK_N=block_n, OUT_BF16=bf16, num_warps=4,
-        enable_fp_fusion=False)
+        n, y.stride(-2), out.stride(0), y.stride(0) if splits > 1 else 0, K=k, BLOCK_N=block_n, OUT_BF16=bf16,
+        S=splits, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -495,7 +576,7 @@ def quantized_activation_tile(x_ptr, rows64, rows_ok, stride_xm, k0, K, x_enc, B
 def _grouped_kernel(
     x_ptr, token_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
     w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
-    N, K, stride_xm, stride_ym,
+    N, K, stride_xm, stride_ym, stride_ys, k_split,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, A4: tl.constexpr, FOUR_SIX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -527,8 +608,11 @@ def _grouped_kernel(
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if A4:
         x_enc = tl.load(xenc_ptr + e)
+    split = tl.program_id(2)                     # this program's slice of K: [k_lo, k_hi)
+    k_lo = split * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if A4:
             x = quantized_activation_tile(x_ptr, rows, p_ok, stride_xm, k0, K, x_enc, BLOCK_K, FOUR_SIX).to(DT)
         else:
@@ -546,9 +630,9 @@ def _grouped_kernel(
             wt = wt.to(tl.float32)
         acc = tl.dot(x, tl.trans(wt), acc)
     y = _output_scale(acc, wenc_ptr + e, xenc_ptr + e, 16384.0, A4)  # * 2^14 / (enc_w (* enc_x))
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + e64 * N + n_ld).to(tl.float32)[None, :]
-    ptrs = y_ptr + p_ld[:, None] * stride_ym + n_ld[None, :]
+    if HAS_BIAS:  # added once: by the first split
+        y += tl.where(split == 0, tl.load(bias_ptr + e64 * N + n_ld).to(tl.float32), 0.0)[None, :]
+    ptrs = y_ptr + split.to(tl.int64) * stride_ys + p_ld[:, None] * stride_ym + n_ld[None, :]
     tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & n_ok[None, :])
 
 
@@ -580,16 +664,60 @@ def kernel_config(block_m: int, n: int, k: int, tiles: int = 1 << 20) -> tuple:
     return bn, bk, warps, stages
 
 
+# Split K for the 16-row tiles (decode). PREDICTION, not measured yet (benchmarks/NOTES.md, "Issue 44 item 1,
+# split-K decode"): in the sweep (results/moe_sweep_h200.json) the decode launches with about two programs an
+# SM read at well under half the rate of those with four or more (Mixtral w2 at 1 token: 256 programs of 56 K
+# steps, 0.57 TB/s; at 16 tokens: 512 programs, 1.43 TB/s; w13 at 1 token: 896 programs, 1.37 TB/s): one
+# program's loads -> decode -> MMA chain is latency-bound and an SM needs more of them. So K is split until
+# the grid holds SPLIT_PROGRAMS_PER_SM programs an SM (counting one tile an active expert, min(E, P)), every
+# split at least one K tile, at most SPLIT_MAX; the partial sums go to an fp32 workspace that the consumer
+# already there (the SwiGLU gating after w13, the combine after w2) sums in split order: no atomics, no launch.
+SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_MAX = 8
+
+
+def split_for(block_m: int, n: int, k: int, active: int, block_n: int, block_k: int, sms: int) -> int:
+    """K slices of a launch of ``block_m``-row tiles over N = ``n``, K = ``k`` with about ``active`` tiles
+    (the rule above; 1 = no split; never an empty slice)."""
+    if block_m > 16:
+        return 1
+    programs = max(1, active) * cdiv(n, block_n)
+    want = min(SPLIT_MAX, cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs))
+    return k_slices(k, block_k, want)[0]
+
+
+def k_slices(k: int, block_k: int, split: int) -> tuple:
+    """(slices, K a slice): ``split`` (>= 1) slices of whole K tiles, fewer where K has fewer tiles or a
+    slice would be empty."""
+    steps = cdiv(k, block_k)
+    per = cdiv(steps, max(1, min(split, steps)))
+    return cdiv(steps, per), per * block_k
+
+
+def sum_partials(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[P, N]``: the ``[S, P, N]`` partial sums added in split order from the first (the consumer
+    kernels' order); a 2-D ``y`` (S = 1) widened."""
+    if y.dim() == 2:
+        return y.float()
+    acc = y[0].clone()
+    for s in range(1, y.shape[0]):
+        acc += y[s]
+    return acc
+
+
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
-                   backend: str = "auto", out: Optional[torch.Tensor] = None,
-                   config: Optional[tuple] = None) -> torch.Tensor:
+                   backend: str = "auto", out: Optional[torch.Tensor] = None, config: Optional[tuple] = None,
+                   split: Optional[int] = None, partials: bool = False) -> torch.Tensor:
     """``y [P, N]`` (x's dtype): sorted pair p's activation row times its expert's NVFP4 weight (+ bias),
     W4A4 where ``weight.input_amax`` is set. ``gather``: x is ``[T, K]`` and pair p reads row
-    ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). One launch; rows of pairs
-    routed to no expert are left unwritten (``out`` as given, else uninitialized).
+    ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). Rows of pairs routed to no
+    expert are left unwritten (``out`` as given, else uninitialized).
     ``backend``: "auto" (Triton on CUDA / under the interpreter, else the reference), "reference",
-    "triton". ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s
-    (the benchmark's sweep)."""
+    "triton". ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s and
+    ``split``: K slices in place of ``split_for``'s (the benchmark's sweep). With ``partials`` the result is
+    what the launch wrote for a consumer that sums it (``moe``: the gating, the combine): fp32 ``[S, P, N]``
+    partial sums (output scale applied, bias in the first) where K was split, else ``[P, N]`` as above;
+    without, split sums are added in split order in fp32 and rounded once to x's dtype."""
     from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
 
     if backend not in BACKENDS:
@@ -611,11 +739,12 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
                                f"the weight has {e}")
     if k % BLOCK_SIZE:
         raise nvfp4.NVFP4Error(f"grouped_linear: K = {k} is not a multiple of {BLOCK_SIZE}")
+    if split is not None and split < 1:
+        raise nvfp4.NVFP4Error(f"grouped_linear: split must be >= 1, got {split}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
     if routing.pairs == 0 or n == 0:
-        return y
+        return out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
     packed = weight.packed if weight.packed.is_contiguous() else weight.packed.contiguous()
     scale = weight.scale if weight.scale.is_contiguous() else weight.scale.contiguous()
     words = packed.view(torch.int32) if packed.data_ptr() % 4 == 0 and (k // 2) % 4 == 0 else None
@@ -625,26 +754,43 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
     bn, bk, warps, stages = config or kernel_config(bm, n, k, routing.tile_expert.numel())
-    grid = (routing.tile_expert.numel(), cdiv(n, bn))
+    if split is None:
+        split = split_for(bm, n, k, min(e, routing.pairs), bn, bk, _sm_count(x.device))
+    slices, k_split = k_slices(k, bk, split)
+    if slices > 1:
+        y = torch.empty((slices, routing.pairs, n), dtype=torch.float32, device=x.device)
+    else:
+        y = out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
+    grid = (routing.tile_expert.numel(), cdiv(n, bn), slices)
     enc = weight.enc
     _grouped_kernel[grid](
         x, routing.token, routing.tile_expert, routing.tile_row, routing.offsets,
         words, scale.view(torch.uint8), enc, weight.input_enc if a4 else enc, bias if bias is not None else enc, y,
-        n, k, x.stride(0), y.stride(0),
+        n, k, x.stride(0), y.stride(-2), y.stride(0) if slices > 1 else 0, k_split,
         GATHER=gather, HAS_BIAS=bias is not None, A4=a4, FOUR_SIX=FOUR_SIX_CODES[weight.four_six] if a4 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET,
         num_warps=warps, num_stages=stages, enable_fp_fusion=not a4,  # W4A4: the quantizer's roundings as written
     )
-    return y
+    if slices == 1 or partials:
+        return y
+    summed = sum_partials(y).to(x.dtype)
+    return summed if out is None else out.copy_(torch.where(routing.valid[:, None], summed, out))
 
 
 def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: StackedWeight,
-        w2: StackedWeight, gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+        w2: StackedWeight, gate: Union[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = "silu", *,
         backend: str = "auto", block_m: Optional[int] = None) -> torch.Tensor:
     """A MoE layer's experts: ``sum_slots top_k_weights[t, s] * down_e(gate(g, u))`` with ``[g | u] =
     w13_e(hidden[t])``, e = ``top_k_index[t, s]`` (slots routed outside ``[0, E)`` add nothing).
-    ``gate(g, u)`` is the layer's gating (``act(g) * u``). Two grouped launches plus the routing, the
-    gating and the weighted sum of each token's k rows (``combine``: fp32, in slot order, deterministic)."""
+    ``gate``: "silu" (SwiGLU, ``silu(g) * u``: fused, ``swiglu``) or the layer's own gating as a callable
+    ``gate(g, u) -> act`` (torch ops on ``[P, I]`` views of the gate and up halves, in hidden's dtype).
+    Two grouped launches plus the routing, the gating and the weighted sum of each token's k rows
+    (``combine``: fp32, in slot order, deterministic); where a launch splits K, its fp32 partial sums are
+    added in split order by the gating (w13) and the combine (w2): run-to-run bit-identical.
+    Numerics of the fused gating: silu and the product in fp32 from g and u as the GEMM summed them (fp32
+    split sums, or the launch's output in hidden's dtype where K was not split), rounded once to hidden's
+    dtype; the torch form (``gate`` callable) rounds g and u to hidden's dtype, silu(g) and the product
+    again (both within the dense kernels' tolerance of the reference)."""
     tokens, k = top_k_index.shape
     if hidden.dim() != 2 or hidden.shape[0] != tokens or top_k_weights.shape != top_k_index.shape:
         raise nvfp4.NVFP4Error(f"moe: hidden [T, H], top_k_index and top_k_weights [T, k] expected; got "
@@ -652,13 +798,21 @@ def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Te
     if w13.out_features % 2 or w2.in_features != w13.out_features // 2:
         raise nvfp4.NVFP4Error(f"moe: w13 [{w13.out_features}, ...] must be gate over up rows feeding "
                                f"w2's {w2.in_features} inputs")
-    r = route(top_k_index, w13.num_experts, block_m, backend=_glue_backend(hidden, backend))
-    gate_up = grouped_linear(hidden, r, w13, gather=True, backend=backend)
-    inter = w13.out_features // 2
-    act = gate(gate_up[:, :inter], gate_up[:, inter:])
-    y = grouped_linear(act.to(hidden.dtype).contiguous(), r, w2, gather=False, backend=backend)
+    if not (gate in GATINGS or callable(gate)):
+        raise nvfp4.NVFP4Error(f"moe: gate must be one of {GATINGS} or a callable gate(g, u), got {gate!r}")
+    glue = _glue_backend(hidden, backend)
+    r = route(top_k_index, w13.num_experts, block_m, backend=glue)
+    gate_up = grouped_linear(hidden, r, w13, gather=True, backend=backend, partials=True)
+    if gate == "silu":
+        act = swiglu(gate_up, r, hidden.dtype, backend=glue)
+    else:
+        if gate_up.dim() == 3:
+            gate_up = sum_partials(gate_up).to(hidden.dtype)
+        inter = w13.out_features // 2
+        act = gate(gate_up[:, :inter], gate_up[:, inter:]).to(hidden.dtype).contiguous()
+    y = grouped_linear(act, r, w2, gather=False, backend=backend, partials=True)
     # back to (token, slot) order; pairs of no expert contribute 0 (their rows were never written)
-    return combine(y, r, top_k_weights, hidden.dtype, backend=_glue_backend(hidden, backend))
+    return combine(y, r, top_k_weights, hidden.dtype, backend=glue)
 
 
 def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
@@ -669,6 +823,6 @@ def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
     return "reference" if backend == "reference" or triton_unavailable_reason(hidden, op="grouped_linear") else "auto"
 
 
-__all__ = ["Routing", "StackedWeight", "block_m_for", "combine", "combine_reference", "grouped_linear",
-           "grouped_linear_reference", "kernel_config", "moe", "route", "route_reference", "route_triton", "stack_weights",
-           "tile_bound"]
+__all__ = ["GATINGS", "Routing", "StackedWeight", "block_m_for", "combine", "combine_reference", "grouped_linear",
+           "grouped_linear_reference", "k_slices", "kernel_config", "moe", "route", "route_reference", "route_triton",
+           "split_for", "stack_weights", "sum_partials", "swiglu", "swiglu_reference", "tile_bound"]
