@@ -210,13 +210,16 @@ def test_routing_and_combine_kernels_compile_for_sm90_and_sm80(arch):
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
 @pytest.mark.parametrize("arch", [90, 80])
-def test_gating_and_split_combine_kernels_compile_for_sm90_and_sm80(arch):
+def test_gating_split_combine_and_dequant_kernels_compile_for_sm90_and_sm80(arch):
     """The consumers of split launches (the fused gating from bf16 rows and from 3 fp32 partials, the
-    combine summing 3 partials) compile for sm_90 and sm_80 without local memory; the combine is built
-    without FMA contraction (its roundings are torch's)."""
+    combine summing 3 partials) and the prefill path's stacked dequantize compile for sm_90 and sm_80
+    without local memory; the combine and the dequantize are built without FMA contraction (their
+    roundings are torch's / nvfp4.py's)."""
     import re
 
     from compile_target import compile_for
+
+    from fp4ptq.kernels import grouped_dequant as D
 
     def local_bytes(ptx):
         return sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx))
@@ -227,8 +230,12 @@ def test_gating_and_split_combine_kernels_compile_for_sm90_and_sm80(arch):
     combine = compile_for(G._combine_kernel, dict(ptrs, y_ptr="*fp32"), {"K": 8, "BLOCK_N": 512, "OUT_BF16": True,
                                                                           "S": 3}, arch=arch, num_warps=4,
                           enable_fp_fusion=False)
-    assert all(local_bytes(b.asm["ptx"]) == 0 for b in built + [combine]), arch
-    assert "fma.rn.f32" not in combine.asm["ptx"]
+    dequant = compile_for(D._dequant_experts_kernel, {"w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32",
+                                                      "offsets_ptr": "*i32", "out_ptr": "*i16"},
+                          {"BLOCK_N": 32, "BLOCK_B": 16, "OUT_BF16": True}, arch=arch, num_warps=4,
+                          enable_fp_fusion=False)
+    assert all(local_bytes(b.asm["ptx"]) == 0 for b in built + [combine, dequant]), arch
+    assert "fma.rn.f32" not in combine.asm["ptx"] and "fma.rn.f32" not in dequant.asm["ptx"]
 
 
 @interpreted
@@ -533,11 +540,49 @@ def test_moe_fused_silu_with_split_k_matches_the_reference():
         G.moe(x, idx, tw, w13, w2, "gelu")
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_experts_is_nvfp4_dequantize_bit_for_bit(dtype):
+    """The prefill path's stacked dequantize (one launch): every expert with a pair equals
+    ``nvfp4.dequantize`` to the activation dtype bit for bit (K = 80: a partial block tile), experts
+    without one are left as given; the path (dequantize + torch._grouped_mm, bias, a single token) is
+    within the dense kernels' tolerance of the reference and leaves the rows of no expert as given."""
+    from fp4ptq.kernels import grouped_dequant as D
+
+    e, n, k = 5, 40, 80
+    ws = _weights(e, n, k, seed=39)
+    bias = torch.randn(e, n, generator=torch.Generator().manual_seed(40)).to(dtype) * 0.1
+    sw = G.stack_weights(ws, list(bias))
+    r = G.route(INDEX_5, e)
+    out = torch.full((e, n, k), float("nan"), dtype=dtype)
+    got = D.dequantize_experts(sw, r.offsets, dtype, out=out)
+    for i in range(e):
+        if i in (1, 3):
+            assert torch.isnan(got[i]).all(), i
+        else:
+            assert torch.equal(got[i].view(torch.int16), ws[i].dequantize(dtype).view(torch.int16)), i
+    x = _x(7, k, seed=41, dtype=dtype)
+    for idx in (INDEX_5, torch.tensor([[4]])):
+        r = G.route(idx, e)
+        h = x[:idx.shape[0]]
+        out = torch.full((r.pairs, n), float("nan"), dtype=dtype)
+        y = G.grouped_linear(h, r, sw, path="dequant", out=out)
+        v = r.valid
+        assert torch.isnan(y[~v]).all() and _rel(y[v], G.grouped_linear_reference(h, r, sw)[v]) < TOLERANCE
+        sorted_rows = G.grouped_linear(h[r.token.long()], r, sw, gather=False, path="dequant")
+        assert torch.equal(sorted_rows[v], y[v])
+
+
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
-def test_split_rule_on_the_h200_layers(monkeypatch):
-    """The decode split rule (132 SMs) on the benchmark's layers: Qwen3-30B-A3B at 1 token splits w13 in
-    2 and w2 in 3, Mixtral's w2 in 3 and in 2 at 16 tokens (Mixtral's w13, 16-token Qwen3 and every
-    prefill tile: no split)."""
+def test_split_and_prefill_rules_on_the_h200_layers(monkeypatch):
+    """The decode split rule (132 SMs) and the prefill rule on the benchmark's layers: Qwen3-30B-A3B at 1
+    token splits w13 in 2 and w2 in 3, Mixtral's w2 in 3 (Mixtral's w13, 16-token Qwen3 and every
+    prefill tile: no split); the dequantize + grouped GEMM path only for W4A16 bf16 128-row tiles on a
+    CUDA device of compute capability >= 9.0 with torch._grouped_mm."""
+    from types import SimpleNamespace
+
+    from fp4ptq.kernels import grouped_dequant as D
+
     monkeypatch.setattr(G, "INTERPRET", False)
 
     def split(tokens, k, experts, n, kk):
@@ -552,6 +597,21 @@ def test_split_rule_on_the_h200_layers(monkeypatch):
     assert split(4096, 8, 128, 2048, 768)[0] == 1
     assert G.k_slices(80, 32, 8) == (3, 32) and G.k_slices(10 * 16, 16, 4) == (4, 48)
 
+    monkeypatch.setattr(D, "_capability", lambda device: (9, 0))
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    w4a16, w4a4 = SimpleNamespace(input_enc=None), SimpleNamespace(input_enc=torch.ones(1))
+    assert [G.block_m_for(t * k, e) for t, k, e in ((256, 8, 128), (256, 2, 8), (4096, 8, 128), (4096, 2, 8))] == \
+        [16, 64, 128, 128]
+    assert D.takes_dequant(x, SimpleNamespace(block_m=128), w4a16)
+    assert not D.takes_dequant(x, SimpleNamespace(block_m=64), w4a16)
+    assert not D.takes_dequant(x, SimpleNamespace(block_m=128), w4a4)
+    assert not D.takes_dequant(SimpleNamespace(**dict(vars(x), dtype=torch.float16)), SimpleNamespace(block_m=128), w4a16)
+    assert not D.takes_dequant(SimpleNamespace(**dict(vars(x), is_cuda=False)), SimpleNamespace(block_m=128), w4a16)
+    monkeypatch.setattr(D, "_capability", lambda device: (8, 0))
+    assert not D.takes_dequant(x, SimpleNamespace(block_m=128), w4a16)
+    monkeypatch.setattr(D, "_capability", lambda device: (9, 0))
+    monkeypatch.delattr(torch, "_grouped_mm")
+    assert not D.takes_dequant(x, SimpleNamespace(block_m=128), w4a16)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")

@@ -16,7 +16,8 @@ gate rows over its up rows (one shared weight global scale). The down projection
 sorted order (no gather). At decode (16-row tiles) on a grid short of programs, the launch splits K
 (``split_for``; program_id(2) walks one slice) and writes fp32 partial sums ``[S, P, N]`` (output scale
 applied, bias in the first slice) to a workspace; the consumers that run anyway add them in split order
-(no atomics: run-to-run bit-identical, and no launch added).
+(no atomics: run-to-run bit-identical, and no launch added). For 128-row tiles (prefill) W4A16 in bf16
+takes another path: the active experts dequantized, then torch's grouped GEMM (``grouped_dequant.py``).
 
 The glue around the two launches is Triton too on CUDA (torch ops elsewhere, and for ``backend="reference"``):
 ``route`` is a stable counting sort in three small launches, one at decode (``route_triton``; about 15 torch ops cost more
@@ -707,21 +708,26 @@ def sum_partials(y: torch.Tensor) -> torch.Tensor:
 
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
                    backend: str = "auto", out: Optional[torch.Tensor] = None, config: Optional[tuple] = None,
-                   split: Optional[int] = None, partials: bool = False) -> torch.Tensor:
+                   split: Optional[int] = None, partials: bool = False, path: Optional[str] = None) -> torch.Tensor:
     """``y [P, N]`` (x's dtype): sorted pair p's activation row times its expert's NVFP4 weight (+ bias),
     W4A4 where ``weight.input_amax`` is set. ``gather``: x is ``[T, K]`` and pair p reads row
     ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). Rows of pairs routed to no
     expert are left unwritten (``out`` as given, else uninitialized).
     ``backend``: "auto" (Triton on CUDA / under the interpreter, else the reference), "reference",
-    "triton". ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s and
+    "triton". ``path``: "kernel" (the grouped kernel: one launch), "dequant" (W4A16: the active experts
+    dequantized, then ``torch._grouped_mm``; ``grouped_dequant.py``), None: ``grouped_dequant.takes_dequant``'s
+    rule. ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s and
     ``split``: K slices in place of ``split_for``'s (the benchmark's sweep). With ``partials`` the result is
     what the launch wrote for a consumer that sums it (``moe``: the gating, the combine): fp32 ``[S, P, N]``
     partial sums (output scale applied, bias in the first) where K was split, else ``[P, N]`` as above;
     without, split sums are added in split order in fp32 and rounded once to x's dtype."""
     from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
+    from .grouped_dequant import grouped_mm_dequantized, takes_dequant
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if path not in (None, "kernel", "dequant"):
+        raise ValueError(f"grouped_linear: unknown path {path!r}; choose 'kernel', 'dequant' or None (the rule)")
     reason = triton_unavailable_reason(x, op="grouped_linear")
     if backend == "triton" and reason is not None:
         raise BackendUnavailable(f"backend='triton' cannot run grouped_linear: {reason}")
@@ -745,6 +751,9 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
         x = x.contiguous()
     if routing.pairs == 0 or n == 0:
         return out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
+    if path == "dequant" or (path is None and takes_dequant(x, routing, weight)):
+        y = grouped_mm_dequantized(x, routing, weight, gather)
+        return y if out is None else out.copy_(torch.where(routing.valid[:, None], y, out))
     packed = weight.packed if weight.packed.is_contiguous() else weight.packed.contiguous()
     scale = weight.scale if weight.scale.is_contiguous() else weight.scale.contiguous()
     words = packed.view(torch.int32) if packed.data_ptr() % 4 == 0 and (k // 2) % 4 == 0 else None
