@@ -513,8 +513,8 @@ def test_combine_sums_fp32_partials_bit_identically(dtype):
 
 @interpreted
 def test_moe_fused_silu_with_split_k_matches_the_reference():
-    """``moe`` with gate="silu" (the single token splits K on both launches, in 3 and 2, on the
-    interpreter's 2-"SM" grid; 4 tokens do not): bit-identical from run to run; against the reference
+    """``moe`` with gate="silu" (the single token splits K in 2 on both launches, on the interpreter's
+    2-"SM" grid; 4 tokens do not): bit-identical from run to run; against the reference
     layer no further off than the torch-gated layer is from its own (+10%), and within twice the dense
     kernels' tolerance (a whole layer: here the interpreter's casts truncate both launches' bf16
     outputs, 1.1e-2 for either gating); an unknown gating is refused."""
@@ -529,8 +529,8 @@ def test_moe_fused_silu_with_split_k_matches_the_reference():
     for i, h, w in ((idx, x, tw), (idx[:1, :1], x[:1], tw[:1, :1])):
         r = G.route(i, 3)
         single = r.pairs == 1
-        assert G.split_for(16, 96, 96, min(3, r.pairs), 32, 32, 2) == (3 if single else 1)
-        assert G.split_for(16, 96, 48, min(3, r.pairs), 32, 32, 2) == (2 if single else 1)
+        assert G.split_for(16, 96, 96, min(3, r.pairs), G.kernel_config(16, 96, 96), 2)[1] == (2 if single else 1)
+        assert G.split_for(16, 96, 48, min(3, r.pairs), G.kernel_config(16, 96, 48), 2)[1] == (2 if single else 1)
         fused = [G.moe(h, i, w, w13, w2, "silu") for _ in range(2)]
         assert torch.equal(fused[0], fused[1])
         err = _rel(fused[0], G.moe(h, i, w, w13, w2, "silu", backend="reference"))
@@ -575,26 +575,30 @@ def test_dequantize_experts_is_nvfp4_dequantize_bit_for_bit(dtype):
 
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the main process")
 def test_split_and_prefill_rules_on_the_h200_layers(monkeypatch):
-    """The decode split rule (132 SMs) and the prefill rule on the benchmark's layers: Qwen3-30B-A3B at 1
-    token splits w13 in 2 and w2 in 3, Mixtral's w2 in 3 (Mixtral's w13, 16-token Qwen3 and every
-    prefill tile: no split); the dequantize + grouped GEMM path only for W4A16 bf16 128-row tiles on a
-    CUDA device of compute capability >= 9.0 with torch._grouped_mm."""
+    """The decode split rule (132 SMs) and the prefill rule on the benchmark's layers: at 1 token
+    Qwen3-30B-A3B's w13 and Mixtral's w2 (grids short of one wave) take the narrow tile split in 2 and 3;
+    Qwen3's w2 (no room for 2 narrow slices), Mixtral's w13, both layers at 16 tokens and the prefill
+    tiles keep their tile unsplit; the dequantize + grouped GEMM path only for W4A16 bf16 128-row tiles
+    on a CUDA device of compute capability >= 9.0 with torch._grouped_mm."""
     from types import SimpleNamespace
 
     from fp4ptq.kernels import grouped_dequant as D
 
     monkeypatch.setattr(G, "INTERPRET", False)
 
-    def split(tokens, k, experts, n, kk):
+    def plan(tokens, k, experts, n, kk):
         pairs = tokens * k
         bm = G.block_m_for(pairs, experts)
-        bn, bk, _, _ = G.kernel_config(bm, n, kk, G.tile_bound(pairs, experts, bm))
-        s = G.split_for(bm, n, kk, min(experts, pairs), bn, bk, 132)
-        return s, G.k_slices(kk, bk, s)[1]
-    assert split(1, 8, 128, 1536, 2048) == (2, 1024) and split(1, 8, 128, 2048, 768) == (3, 256)
-    assert split(1, 2, 8, 28672, 4096)[0] == 1 and split(1, 2, 8, 4096, 14336) == (3, 4864)
-    assert split(16, 8, 128, 1536, 2048)[0] == 1 and split(16, 2, 8, 4096, 14336) == (2, 7168)
-    assert split(4096, 8, 128, 2048, 768)[0] == 1
+        tile, s = G.split_for(bm, n, kk, min(experts, pairs), G.kernel_config(bm, n, kk, G.tile_bound(pairs, experts, bm)),
+                              132)
+        return (tile,) + G.k_slices(kk, tile[1], s)
+    narrow, small, mid, deep = G.DECODE_NARROW, G.DECODE_SMALL_GRID, G.DECODE_MID_GRID, G.DECODE_TILE
+    assert plan(1, 8, 128, 1536, 2048) == (narrow, 2, 1024) and plan(1, 8, 128, 2048, 768) == (mid, 1, 768)
+    assert plan(1, 2, 8, 28672, 4096) == (deep, 1, 4096) and plan(1, 2, 8, 4096, 14336) == (narrow, 3, 4864)
+    assert plan(16, 8, 128, 1536, 2048) == (deep, 1, 2048) and plan(16, 2, 8, 4096, 14336) == (deep, 1, 14336)
+    assert plan(4096, 8, 128, 2048, 768) == (G.PREFILL_TILE, 1, 768)
+    assert G.split_for(16, 4096, 14336, 2, small, 132, narrow=False) == (small, 2)   # its own tile: one wave
+    assert G.resident((32, 64, 4, 4)) == 7 and G.resident((128, 64, 4, 3)) == 4
     assert G.k_slices(80, 32, 8) == (3, 32) and G.k_slices(10 * 16, 16, 4) == (4, 48)
 
     monkeypatch.setattr(D, "_capability", lambda device: (9, 0))
@@ -618,7 +622,8 @@ def test_split_and_prefill_rules_on_the_h200_layers(monkeypatch):
 def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
     """benchmarks/bench_moe_h200.py without a GPU: its argument checks, and the markdown table, the goal
     verdicts and the figure it writes from a results file (fake timings); its bf16 peer (torch's grouped
-    GEMM or the loop of matmuls, around the same sort) equals the fp32 layer on the CPU."""
+    GEMM or the loop of matmuls, around the same sort and fused gating) equals the fp32 layer on the CPU; the
+    table names the W4A16 launches' paths (K split, dequantize)."""
     import json
     from pathlib import Path
 
@@ -643,7 +648,7 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
                 row.update({f"{s}_us": 100.0 / speed, f"{s}_x_bf16": speed, f"{s}_rel_err": 2e-3})
             rows.append(row)
     rows[0].update(route_us=7.5, route_torch_us=62.5, combine_us=4.0, combine_torch_us="RuntimeError('y')",
-                   route_equal=True, combine_equal=True)
+                   route_equal=True, combine_equal=True, w4a16_w13_path="kernel S=2", w4a16_w2_path="kernel S=3")
     rows[-1]["w4a4_46_us"] = "RuntimeError('x')"
     del rows[-1]["w4a4_46_x_bf16"]
     path = tmp_path / "moe_h200.json"
@@ -651,7 +656,7 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
     assert B.main(["--report", str(path)]) == 0
     md = (tmp_path / "moe_h200.md").read_text()
     assert "| Mixtral-8x7B | 4096 | 8/8 | 100.0 | grouped_mm | 105.3 | 0.95x |" in md
-    assert "| failed | - |" in md
+    assert "| failed | - |" in md and "| kernel S=2 / kernel S=3 |" in md
     assert "| Qwen3-30B-A3B | 1 | 7.5 | 62.5 | 4.0 | failed | True / True |" in md and md.count("| 16 | 7.5 |") == 0
     assert "| Qwen3-30B-A3B: decode (<= 16 tokens) >= 2.5x bf16 | 2.40x (worst) | not met |" in md
     assert "| Mixtral-8x7B: 4096 tokens >= 0.9x bf16 | 0.95x | met |" in md
@@ -671,7 +676,7 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
 
     def gate(a, b):
         return torch.nn.functional.silu(a) * b
-    impl, make = B._bf16_layer(w13, w2, gate)
+    impl, make = B._bf16_layer(w13, w2)
     exact = B._fp32_layer(x, index, weights, w13, w2, gate)
     for name in {impl, "loop"}:
         assert _rel(make(x, index, weights, name)(), exact) < 1e-2

@@ -660,31 +660,58 @@ def kernel_config(block_m: int, n: int, k: int, tiles: int = 1 << 20) -> tuple:
                                  else DECODE_TILE)
     else:
         bn, bk, warps, stages = MID_TILE if block_m <= 64 else PREFILL_TILE
+    return _fit_k((bn, bk, warps, stages), k)
+
+
+# Split K for the 16-row tiles (decode). PREDICTION, not measured yet (benchmarks/NOTES.md, "Issue 44 item 1,
+# split-K decode"). In the sweep (results/moe_sweep_h200.json) a decode program's K steps take a fixed time
+# each (about 1.2-1.9 us for a 32 x 256 or 64 x 128 step, 0.8 us for 32 x 128: the loads -> decode -> MMA
+# chain is latency-bound), so a launch whose programs all fit on the SMs at once lasts about its programs'
+# steps: Qwen3-30B-A3B w13 at 1 token, 384 programs of 8 steps, 17.5 us; Mixtral w2, 256 programs of 56
+# steps, 116 us (0.57 TB/s). Splitting K shortens each program but only helps while the split grid still
+# fits in one wave of resident programs (RESIDENT an SM for each tile, from its registers); past that the
+# second wave costs what the split saved. So a grid short of one wave takes the narrow tile DECODE_NARROW
+# (68 registers: 7 programs an SM) split until that tile's wave is full, where that gives at least 2 K slices;
+# else its own tile split within its own wave (at most SPLIT_MAX slices, each at least one K tile). The
+# partial sums go to an fp32 workspace that the consumer already there (the SwiGLU gating after w13, the
+# combine after w2) adds in split order: no atomics, no launch added.
+DECODE_NARROW = (32, 128, 4, 4)
+# Programs an SM holds: 65536 registers / (registers x 32 x warps) of the sm_90 builds made offline with
+# Triton 3.9 (127, 160, 120 and 68 registers; the device's Triton may allocate otherwise); other tiles 4.
+RESIDENT = {DECODE_SMALL_GRID: 4, DECODE_MID_GRID: 3, DECODE_TILE: 4, DECODE_NARROW: 7}
+SPLIT_MAX = 8
+
+
+def _fit_k(config: tuple, k: int) -> tuple:
+    bn, bk, warps, stages = config
     while k % bk and bk > 16:
         bk //= 2
     return bn, bk, warps, stages
 
 
-# Split K for the 16-row tiles (decode). PREDICTION, not measured yet (benchmarks/NOTES.md, "Issue 44 item 1,
-# split-K decode"): in the sweep (results/moe_sweep_h200.json) the decode launches with about two programs an
-# SM read at well under half the rate of those with four or more (Mixtral w2 at 1 token: 256 programs of 56 K
-# steps, 0.57 TB/s; at 16 tokens: 512 programs, 1.43 TB/s; w13 at 1 token: 896 programs, 1.37 TB/s): one
-# program's loads -> decode -> MMA chain is latency-bound and an SM needs more of them. So K is split until
-# the grid holds SPLIT_PROGRAMS_PER_SM programs an SM (counting one tile an active expert, min(E, P)), every
-# split at least one K tile, at most SPLIT_MAX; the partial sums go to an fp32 workspace that the consumer
-# already there (the SwiGLU gating after w13, the combine after w2) sums in split order: no atomics, no launch.
-SPLIT_PROGRAMS_PER_SM = 4
-SPLIT_MAX = 8
+def resident(config: tuple) -> int:
+    """Programs of tile ``config`` an SM holds (``RESIDENT``; a BLOCK_K cut to fit K takes its table
+    entry's, a lower bound; 4 for other tiles)."""
+    bn, bk, warps, stages = config
+    fits = [r for (tbn, tbk, tw, ts), r in RESIDENT.items() if (tbn, tw, ts) == (bn, warps, stages) and tbk >= bk]
+    return min(fits) if fits else 4
 
 
-def split_for(block_m: int, n: int, k: int, active: int, block_n: int, block_k: int, sms: int) -> int:
-    """K slices of a launch of ``block_m``-row tiles over N = ``n``, K = ``k`` with about ``active`` tiles
-    (the rule above; 1 = no split; never an empty slice)."""
+def split_for(block_m: int, n: int, k: int, active: int, config: tuple, sms: int, narrow: bool = True) -> tuple:
+    """(tile, K slices) of a launch of ``block_m``-row tiles over N = ``n``, K = ``k`` with about ``active``
+    tiles (one an active expert at decode: min(E, P)) on ``sms`` SMs, ``config`` being ``kernel_config``'s
+    tile: the rule above (1 slice = no split; never an empty slice); ``narrow=False`` keeps ``config``."""
     if block_m > 16:
-        return 1
-    programs = max(1, active) * cdiv(n, block_n)
-    want = min(SPLIT_MAX, cdiv(SPLIT_PROGRAMS_PER_SM * sms, programs))
-    return k_slices(k, block_k, want)[0]
+        return config, 1
+    tiles = max(1, active)
+    programs = tiles * cdiv(n, config[0])
+    slots = resident(config) * sms
+    if narrow and programs < slots and not INTERPRET:
+        narrow = _fit_k(DECODE_NARROW, k)
+        slices = k_slices(k, narrow[1], min(SPLIT_MAX, resident(narrow) * sms // (tiles * cdiv(n, narrow[0]))))[0]
+        if slices >= 2:
+            return narrow, slices
+    return config, k_slices(k, config[1], min(SPLIT_MAX, max(1, slots // programs)))[0]
 
 
 def k_slices(k: int, block_k: int, split: int) -> tuple:
@@ -706,6 +733,24 @@ def sum_partials(y: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def launch_plan(x: torch.Tensor, routing: Routing, weight: StackedWeight, config: Optional[tuple] = None,
+                split: Optional[int] = None, path: Optional[str] = None) -> tuple:
+    """What ``grouped_linear`` runs on CUDA for these operands: ``(path, (BLOCK_N, BLOCK_K, num_warps,
+    num_stages), K slices, K a slice)``, path "dequant" (``grouped_dequant.takes_dequant``'s rule, or asked
+    for) or "kernel" (``kernel_config``'s tile, and ``split_for``'s tile and split unless ``split`` is given;
+    ``config`` in place of the tile)."""
+    from .grouped_dequant import takes_dequant
+
+    e, n, k = weight.num_experts, weight.out_features, weight.in_features
+    if path == "dequant" or (path is None and takes_dequant(x, routing, weight)):
+        return "dequant", None, 1, k
+    bm = routing.block_m
+    tile = config or kernel_config(bm, n, k, routing.tile_expert.numel())
+    if split is None:
+        tile, split = split_for(bm, n, k, min(e, routing.pairs), tile, _sm_count(x.device), narrow=config is None)
+    return ("kernel", tile) + k_slices(k, tile[1], split)
+
+
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
                    backend: str = "auto", out: Optional[torch.Tensor] = None, config: Optional[tuple] = None,
                    split: Optional[int] = None, partials: bool = False, path: Optional[str] = None) -> torch.Tensor:
@@ -722,7 +767,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     partial sums (output scale applied, bias in the first) where K was split, else ``[P, N]`` as above;
     without, split sums are added in split order in fp32 and rounded once to x's dtype."""
     from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
-    from .grouped_dequant import grouped_mm_dequantized, takes_dequant
+    from .grouped_dequant import grouped_mm_dequantized
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
@@ -751,9 +796,11 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
         x = x.contiguous()
     if routing.pairs == 0 or n == 0:
         return out if out is not None else torch.empty((routing.pairs, n), dtype=x.dtype, device=x.device)
-    if path == "dequant" or (path is None and takes_dequant(x, routing, weight)):
+    plan = launch_plan(x, routing, weight, config, split, path)
+    if plan[0] == "dequant":
         y = grouped_mm_dequantized(x, routing, weight, gather)
         return y if out is None else out.copy_(torch.where(routing.valid[:, None], y, out))
+    _, (bn, bk, warps, stages), slices, k_split = plan
     packed = weight.packed if weight.packed.is_contiguous() else weight.packed.contiguous()
     scale = weight.scale if weight.scale.is_contiguous() else weight.scale.contiguous()
     words = packed.view(torch.int32) if packed.data_ptr() % 4 == 0 and (k // 2) % 4 == 0 else None
@@ -762,10 +809,6 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     a4 = weight.input_enc is not None
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
-    bn, bk, warps, stages = config or kernel_config(bm, n, k, routing.tile_expert.numel())
-    if split is None:
-        split = split_for(bm, n, k, min(e, routing.pairs), bn, bk, _sm_count(x.device))
-    slices, k_split = k_slices(k, bk, split)
     if slices > 1:
         y = torch.empty((slices, routing.pairs, n), dtype=torch.float32, device=x.device)
     else:
@@ -833,5 +876,5 @@ def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
 
 
 __all__ = ["GATINGS", "Routing", "StackedWeight", "block_m_for", "combine", "combine_reference", "grouped_linear",
-           "grouped_linear_reference", "k_slices", "kernel_config", "moe", "route", "route_reference", "route_triton",
+           "grouped_linear_reference", "k_slices", "kernel_config", "launch_plan", "moe", "route", "route_reference", "route_triton",
            "split_for", "stack_weights", "sum_partials", "swiglu", "swiglu_reference", "tile_bound"]
