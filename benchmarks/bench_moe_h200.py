@@ -6,12 +6,16 @@ top-2, hidden 4096, FFN 14336), at 1, 16, 256 and 4096 tokens routed uniformly a
 token, softmax weights; seeded). Each implementation runs the whole experts computation: sorting the
 (token, slot) pairs by expert, gate + up, the SwiGLU gating, down and the weighted sum of each token's k rows.
 
-* ``w4a16``, ``w4a4``, ``w4a4_46`` (W4A4 with Four Over Six activations, rule mse): ``fp4ptq.kernels.moe_experts``,
-  two grouped launches (w13 fused) reading only the experts with tokens;
-* ``bf16``: the same glue (``grouped.route``'s kernels, the gating, ``grouped.combine``'s kernel) around
-  ``torch._grouped_mm`` (torch's grouped GEMM, where the installed torch has it; ``bf16_impl`` in the results
-  says which ran) or else one cuBLAS call per expert with tokens (the routing is fixed for the timed graph, so
-  the host knows each expert's rows): only the GEMMs differ.
+* ``w4a16``, ``w4a4``, ``w4a4_46`` (W4A4 with Four Over Six activations, rule mse): ``fp4ptq.kernels.moe_experts``
+  with the fused SwiGLU gating (``gate="silu"``): two grouped launches (w13 fused) reading only the experts with
+  tokens, K split at decode where the grid is short of programs (``grouped.split_for``; the gating and the
+  combine add the partial sums), and for W4A16 on 128-row tiles (prefill) the active experts dequantized, then
+  ``torch._grouped_mm`` (``grouped_dequant.py``); ``w4a16_w13_path`` / ``w4a16_w2_path`` in the results say
+  which ran ("kernel <BLOCK_N>x<BLOCK_K> S=<K slices>" or "dequant");
+* ``bf16``: the same glue (``grouped.route``'s kernels, the fused gating ``grouped.swiglu``, ``grouped.combine``'s
+  kernel) around ``torch._grouped_mm`` (torch's grouped GEMM, where the installed torch has it; ``bf16_impl`` in
+  the results says which ran) or else one cuBLAS call per expert with tokens (the routing is fixed for the timed
+  graph, so the host knows each expert's rows): only the GEMMs differ.
 
 Each row also times the glue alone: ``route_us`` / ``combine_us`` (the Triton kernels both layers use) against
 ``route_torch_us`` / ``combine_torch_us`` (``route_reference`` / ``combine_reference``, the torch ops they replace),
@@ -30,7 +34,9 @@ output a rounding apart can flip a code of the down projection's input and the l
 Knobs: ``--layers qwen3,mixtral``, ``--tokens 1,16,256,4096``, ``--rounds 3``, ``--name moe_h200``. The report
 alone (any machine, no GPU): ``python benchmarks/bench_moe_h200.py --report results.json`` rewrites the
 markdown table and the figure beside the JSON file. ``--sweep --name moe_sweep_h200``: where the time goes (routing,
-each launch, the whole layer) and the grouped kernel's tile sweep, W4A16 (``SWEEP_CONFIGS``).
+each launch, the whole layer) and the grouped kernel's tile sweep, W4A16 (``SWEEP_CONFIGS``), each decode launch
+(16-row tiles) at every K split of ``--splits`` (the launch alone, writing its partials), and from 256 tokens
+the prefill path (dequantize + grouped GEMM) against the kernel.
 """
 from __future__ import annotations
 
@@ -61,9 +67,10 @@ def _routing(tokens: int, experts: int, k: int, device, gen):
     return index, torch.softmax(weights, dim=-1).to(torch.bfloat16)
 
 
-def _bf16_layer(w13, w2, gate):
-    """The bf16 experts: the same routing and combine as ours (``grouped.route``, ``grouped.combine``) around
-    torch's grouped GEMM (or a loop of cuBLAS calls). Returns ``(impl name, make(hidden, index, weights) -> fn)``."""
+def _bf16_layer(w13, w2):
+    """The bf16 experts: the same routing, gating and combine as ours (``grouped.route``, ``grouped.swiglu``,
+    ``grouped.combine``) around torch's grouped GEMM (or a loop of cuBLAS calls). Returns ``(impl name,
+    make(hidden, index, weights) -> fn)``."""
     import torch
 
     from fp4ptq.kernels import grouped
@@ -92,9 +99,7 @@ def _bf16_layer(w13, w2, gate):
             rr = grouped.route(index, experts)
             offs = rr.offsets[1:]
             h = mm(hidden[rr.token.long()], w13, offs)
-            inter = w13.shape[1] // 2
-            a = gate(h[:, :inter], h[:, inter:])
-            y = mm(a, w2, offs)
+            y = mm(grouped.swiglu(h, rr, hidden.dtype), w2, offs)
             return grouped.combine(y, rr, weights, hidden.dtype)
         return fn
 
@@ -136,7 +141,7 @@ def run(args) -> dict:
             stacks[scheme] = (grouped.stack_weights(q13, input_amax=amax13, four_six=rule),
                               grouped.stack_weights(q2, input_amax=amax2, four_six=rule))
         del q13, q2
-        impl, make_bf16 = _bf16_layer(w13b, w2b, gate)
+        impl, make_bf16 = _bf16_layer(w13b, w2b)
         for tokens in args.tokens:
             index, weights = _routing(tokens, experts, k, dev, gen)
             hidden = torch.randn(tokens, hidden_size, device=dev, generator=gen).to(torch.bfloat16)
@@ -145,10 +150,12 @@ def run(args) -> dict:
             fns = {}
             for scheme, (s13, s2) in stacks.items():
                 def ours(s13=s13, s2=s2, hidden=hidden, index=index, weights=weights):
-                    return kernels.moe_experts(hidden, index, weights, s13, s2, gate)
-                ref = grouped.moe(hidden, index, weights, s13, s2, gate, backend="reference")
+                    return kernels.moe_experts(hidden, index, weights, s13, s2, "silu")
+                ref = grouped.moe(hidden, index, weights, s13, s2, "silu", backend="reference")
                 row[f"{scheme}_rel_err"] = harness.rel(ours(), ref)
                 r = grouped.route(index, experts)  # the kernel alone on w13 (the dense kernels' tolerance: 1e-2)
+                for proj, sw in (("w13", s13), ("w2", s2)):  # (w2 reads hidden's dtype and device too)
+                    row[f"{scheme}_{proj}_path"] = _path(hidden, r, sw)
                 row[f"{scheme}_w13_rel_err"] = harness.rel(
                     grouped.grouped_linear(hidden, r, s13)[r.valid], grouped.grouped_linear_reference(hidden, r, s13)[r.valid])
                 replays = harness.graph_replays(ours, 2)
@@ -182,6 +189,14 @@ def run(args) -> dict:
     return res
 
 
+def _path(x, routing, weight) -> str:
+    """The path ``grouped_linear`` takes for this launch: "dequant" or "kernel <BLOCK_N>x<BLOCK_K> S=<K slices>"."""
+    from fp4ptq.kernels import grouped
+
+    path, tile, slices, _ = grouped.launch_plan(x, routing, weight)
+    return path if path == "dequant" else f"kernel {tile[0]}x{tile[1]} S={slices}"
+
+
 def _glue_times(hidden, index, weights, experts) -> dict:
     """The routing and the combine alone: the kernels (both layers' glue) and the torch ops they replace,
     and whether the kernels' outputs equal the torch ops' (every ``Routing`` field; the combine bit for bit)."""
@@ -212,24 +227,37 @@ def _silu_gate(g, u):
 SWEEP_CONFIGS = ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4),
                  (64, 256, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3),
                  (128, 128, 4, 3), (256, 64, 8, 3))
+# the decode tiles whose K splits --sweep times beside the pick's (grouped.DECODE_*)
+SPLIT_TILES = ((32, 256, 4, 3), (64, 256, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4))
+SPLITS = (1, 2, 3, 4, 6, 8)
 
 
 def sweep(args) -> dict:
-    """Where a layer's time goes and which tile the grouped kernel wants (W4A16): ``route`` alone, each
-    projection's launch alone under ``kernel_config``'s pick and under every ``SWEEP_CONFIGS`` tile (each
-    checked against the pick's output first), torch's grouped GEMM on the same rows, and (>= 256 tokens)
-    dequantizing every expert to bf16 (block scales only, one launch) before that grouped GEMM."""
+    """Where a layer's time goes and which tile and split the grouped kernel wants (W4A16): ``route`` alone,
+    the whole layer (fused gating, and with the torch gating), each projection's launch alone under
+    ``kernel_config``'s pick and under every ``SWEEP_CONFIGS`` tile without a K split (each checked against
+    the default output first), at decode (16-row tiles) each ``--splits`` K split under the pick and
+    ``SPLIT_TILES`` (the launch alone, writing its fp32 partials), torch's grouped GEMM on the same rows in
+    bf16, and (>= 256 tokens) the prefill path: the active experts dequantized, then that grouped GEMM."""
     import torch
 
     from fp4ptq import nvfp4
-    from fp4ptq.kernels import gemm, grouped
+    from fp4ptq.kernels import grouped
 
     dev = torch.device(args.device)
     t0 = time.time()
-    res = {"env": harness.peers().env(), "configs": SWEEP_CONFIGS, "rows": []}
+    res = {"env": harness.peers().env(), "configs": SWEEP_CONFIGS, "splits": args.splits, "rows": []}
     path = harness.out_path(args.name + ".json")
     save, record = harness.recorder(res, path)
     gen = torch.Generator(device=dev).manual_seed(0)
+
+    def timed(fn, want, valid) -> object:
+        try:
+            err = harness.rel(grouped.sum_partials(fn())[valid], want)
+            return harness.graph_us(fn) if err < 1e-2 else f"rel. error {err:.2e}"
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit: recorded
+            return repr(exc)[:200]
+
     for layer in args.layers:
         experts, k, hidden_size, ffn = LAYERS[layer]
         qs, bf = {}, {}
@@ -250,37 +278,44 @@ def sweep(args) -> dict:
             row = {"layer": layer, "tokens": tokens, "block_m": r.block_m,
                    "route_us": harness.graph_us(lambda: grouped.route(index, experts)),
                    "route_torch_us": harness.graph_us(lambda: grouped.route_reference(index, experts)),
-                   "layer_us": harness.graph_us(lambda: grouped.moe(hidden, index, weights, qs["w13"], qs["w2"], _silu_gate))}
+                   "layer_us": harness.graph_us(lambda: grouped.moe(hidden, index, weights, qs["w13"], qs["w2"], "silu")),
+                   "layer_torch_gating_us": harness.graph_us(
+                       lambda: grouped.moe(hidden, index, weights, qs["w13"], qs["w2"], _silu_gate))}
             for proj, (x, gather) in {"w13": (hidden, True), "w2": (inter, False)}.items():
                 sw = qs[proj]
-                want = grouped.grouped_linear(x, r, sw, gather=gather)[r.valid]
+                row[f"{proj}_path"] = _path(x, r, sw)
+                row[f"{proj}_us"] = harness.graph_us(lambda x=x, sw=sw, gather=gather: grouped.grouped_linear(
+                    x, r, sw, gather=gather, partials=True))
+                want = grouped.grouped_linear(x, r, sw, gather=gather, path="kernel", split=1)[r.valid].float()
                 times = {}
                 for cfg in (None,) + SWEEP_CONFIGS:
-                    def fn(cfg=cfg, x=x, sw=sw, gather=gather):
-                        return grouped.grouped_linear(x, r, sw, gather=gather, config=cfg)
-                    try:
-                        err = harness.rel(fn()[r.valid], want)
-                        times[str(cfg)] = harness.graph_us(fn) if err < 1e-2 else f"rel. error {err:.2e}"
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit: recorded
-                        times[str(cfg)] = repr(exc)[:200]
+                    times[str(cfg)] = timed(lambda cfg=cfg, x=x, sw=sw, gather=gather: grouped.grouped_linear(
+                        x, r, sw, gather=gather, config=cfg, split=1, path="kernel"), want, r.valid)
                 ok = {c: t for c, t in times.items() if isinstance(t, float)}
                 best = min(ok, key=ok.get) if ok else None
                 row[f"{proj}_pick_us"] = times["None"]
                 row[f"{proj}_best"] = best
                 row[f"{proj}_best_us"] = ok.get(best)
                 row[f"{proj}_all"] = times
+                if r.block_m == 16:  # decode: every K split under the pick and SPLIT_TILES (partials, no sum)
+                    splits = {}
+                    for cfg in (None,) + SPLIT_TILES:
+                        for s in args.splits:
+                            splits[f"{cfg} S={s}"] = timed(
+                                lambda cfg=cfg, s=s, x=x, sw=sw, gather=gather: grouped.grouped_linear(
+                                    x, r, sw, gather=gather, config=cfg, split=s, path="kernel", partials=True),
+                                want, r.valid)
+                    ok = {c: t for c, t in splits.items() if isinstance(t, float)}
+                    row[f"{proj}_splits"] = splits
+                    row[f"{proj}_best_split"] = min(ok, key=ok.get) if ok else None
+                    row[f"{proj}_best_split_us"] = ok.get(row[f"{proj}_best_split"])
                 xg = hidden[r.token.long()] if gather else x
                 wt = bf[proj].transpose(-2, -1)
                 row[f"{proj}_bf16_grouped_mm_us"] = harness.graph_us(lambda xg=xg, wt=wt: torch._grouped_mm(xg, wt, offs=offs))
                 if tokens >= 256:
-                    e_, n_, half = sw.packed.shape
-                    flat = nvfp4.NVFP4Tensor(sw.packed.view(e_ * n_, half), sw.scale.view(e_ * n_, -1),
-                                             torch.ones((), device=dev), torch.Size((e_ * n_, half * 2)), torch.bfloat16)
-
-                    def dq(xg=xg, flat=flat, shape=(e_, n_, half * 2)):
-                        w = gemm.dequantize(flat, torch.bfloat16, unit_global=True).view(shape)
-                        return torch._grouped_mm(xg, w.transpose(-2, -1), offs=offs)
-                    row[f"{proj}_dequant_grouped_mm_us"] = harness.graph_us(dq)
+                    row[f"{proj}_dequant_grouped_mm_us"] = timed(
+                        lambda x=x, sw=sw, gather=gather: grouped.grouped_linear(x, r, sw, gather=gather, path="dequant"),
+                        want, r.valid)
             record("rows", row)
         del qs, bf
         torch.cuda.empty_cache()
@@ -333,7 +368,7 @@ def verdicts(res: dict) -> list:
 
 def markdown(res: dict) -> str:
     head = ["layer", "tokens", "active experts", "bf16 (us)", "bf16 impl", "W4A16 (us)", "x bf16", "W4A4 (us)",
-            "x bf16", "W4A4 4/6 (us)", "x bf16", "rel. error w13 W4A16 / W4A4 / 4/6", "layer"]
+            "x bf16", "W4A4 4/6 (us)", "x bf16", "rel. error w13 W4A16 / W4A4 / 4/6", "layer", "W4A16 path w13 / w2"]
     cells = []
     for r in res["rows"]:
         errs = " / ".join(f"{r.get(f'{s}_w13_rel_err', float('nan')):.1e}" for s in SCHEMES)
@@ -341,7 +376,8 @@ def markdown(res: dict) -> str:
         cells.append([LABELS.get(r["layer"], r["layer"]), r["tokens"], f"{r['active_experts']}/{r['experts']}",
                       _us(r.get("bf16_us")), r.get("bf16_impl", ""), _us(r.get("w4a16_us")), _x(r.get("w4a16_x_bf16")),
                       _us(r.get("w4a4_us")), _x(r.get("w4a4_x_bf16")), _us(r.get("w4a4_46_us")),
-                      _x(r.get("w4a4_46_x_bf16")), errs, layer_errs])
+                      _x(r.get("w4a4_46_x_bf16")), errs, layer_errs,
+                      f"{r.get('w4a16_w13_path', '-')} / {r.get('w4a16_w2_path', '-')}"])
     env = res.get("env", {})
     title = (f"MoE experts, NVFP4 grouped kernel vs bf16 ({env.get('gpu', '?')}, torch {env.get('torch', '?')}, "
              f"triton {env.get('triton', '?')}; CUDA-graph replays, median of {res.get('rounds', '?')} rounds)")
@@ -404,6 +440,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # (a dry run of the script's glue)
     ap.add_argument("--sweep", action="store_true", help="the time split and the tile sweep instead (W4A16)")
     ap.add_argument("--budget", type=float, default=300, help="--sweep: stop starting new rows after this many s")
+    ap.add_argument("--splits", default=",".join(map(str, SPLITS)), help="--sweep: K splits timed at decode")
     ap.add_argument("--report", metavar="JSON", help="only write NAME.md and NAME.png beside this results file")
     args = ap.parse_args(argv)
     args.layers = [a for a in args.layers.split(",") if a]
@@ -418,6 +455,12 @@ def parse(argv=None) -> argparse.Namespace:
         ap.error("--tokens: give one or more counts >= 1")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    try:
+        args.splits = [int(t) for t in args.splits.split(",") if t]
+    except ValueError:
+        ap.error(f"--splits: expected comma-separated integers, got {args.splits!r}")
+    if not args.splits or min(args.splits) < 1:
+        ap.error("--splits: give one or more splits >= 1")
     return args
 
 
