@@ -447,21 +447,22 @@ def parse(argv=None) -> argparse.Namespace:
     unknown = [a for a in args.layers if a not in LAYERS]
     if unknown:
         ap.error(f"unknown layer(s) {', '.join(unknown)}; choose from {', '.join(LAYERS)}")
-    try:
-        args.tokens = [int(t) for t in args.tokens.split(",") if t]
-    except ValueError:
-        ap.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
-    if not args.tokens or min(args.tokens) < 1:
-        ap.error("--tokens: give one or more counts >= 1")
+    args.tokens = _positive_ints(ap, "--tokens", args.tokens)
+    args.splits = _positive_ints(ap, "--splits", args.splits)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    try:
-        args.splits = [int(t) for t in args.splits.split(",") if t]
-    except ValueError:
-        ap.error(f"--splits: expected comma-separated integers, got {args.splits!r}")
-    if not args.splits or min(args.splits) < 1:
-        ap.error("--splits: give one or more splits >= 1")
     return args
+
+
+def _positive_ints(ap, flag: str, text: str) -> list:
+    """The comma-separated integers >= 1 of ``flag``'s value (one or more), else a usage error (exit 2)."""
+    try:
+        values = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        ap.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        ap.error(f"{flag}: give one or more integers >= 1")
+    return values
 
 
 def main(argv=None) -> int:

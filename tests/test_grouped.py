@@ -635,7 +635,7 @@ def test_moe_benchmark_parses_and_reports_fake_timings(tmp_path, capsys):
         sys.path.remove(str(bench))
     args = B.parse(["--layers", "mixtral", "--tokens", "1,4096"])
     assert args.layers == ["mixtral"] and args.tokens == [1, 4096] and args.rounds == 3
-    for bad in (["--layers", "llama"], ["--tokens", "1,x"], ["--tokens", "0"], ["--rounds", "0"]):
+    for bad in (["--layers", "llama"], ["--tokens", "1,x"], ["--tokens", "0"], ["--rounds", "0"], ["--splits", "2,0"]):
         with pytest.raises(SystemExit) as exc:
             B.parse(bad)
         assert exc.value.code == 2
