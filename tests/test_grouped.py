@@ -151,11 +151,12 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
 @pytest.mark.parametrize("arch,a4,four_six,bm", [(90, False, 0, 16), (90, False, 0, 128), (80, False, 0, 128),
-                                                 (90, True, 1, 64), (80, True, 1, 16)])
+                                                 (90, True, 1, 64), (80, True, 1, 16), (90, False, 0, "narrow"),
+                                                 (80, True, 1, "narrow")])
 def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
     """No GPU here: the kernel's builds (W4A16; W4A4 with Four Over Six, whose build holds the standard
-    quantizer too; bf16; the decode, a mid and the prefill tile) compile for sm_90 and sm_80: tensor-core
-    MMAs on the decoded weight (wgmma from the 64-row tile on sm_90, mma.sync otherwise), shared memory
+    quantizer too; bf16; the decode tile, the split decode's narrow one writing fp32 partials, a mid and
+    the prefill tile) compile for sm_90 and sm_80: tensor-core MMAs on the decoded weight (wgmma from the 64-row tile on sm_90, mma.sync otherwise), shared memory
     within sm_80-89's 99 KB, and W4A4 built without FMA contraction (its quantizer's roundings must stay
     those of nvfp4.py)."""
     import re
@@ -165,7 +166,9 @@ def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
     types = {"x_ptr": "*bf16", "token_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
              "offsets_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": "*fp32", "y_ptr": "*bf16"}
-    bn, bk, warps, stages = G.kernel_config(bm, 1536, 2048)
+    bn, bk, warps, stages = G.DECODE_NARROW if bm == "narrow" else G.kernel_config(bm, 1536, 2048)
+    if bm == "narrow":  # the split decode: the narrow tile writing fp32 partial sums
+        bm, types = 16, dict(types, y_ptr="*fp32")
     consts = {"GATHER": True, "HAS_BIAS": False, "A4": a4, "FOUR_SIX": four_six, "BLOCK_M": bm, "BLOCK_N": bn,
               "BLOCK_K": bk, "EVEN_K": True, "DOT_FP32": False}
     built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages,
