@@ -420,16 +420,16 @@ def swiglu_reference(gate_up: torch.Tensor, routing: Routing, dtype: torch.dtype
 
 
 @triton.jit
-def _swiglu_kernel(y_ptr, valid_ptr, out_ptr, INTER, stride_s, stride_y, stride_o,
+def _swiglu_kernel(y_ptr, valid_ptr, out_ptr, inter, stride_s, stride_y, stride_o,
                    S: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     if tl.load(valid_ptr + p) == 0:  # a pair of no expert: w13 never wrote its row, w2 never reads it
         return
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < INTER
+    ok = n < inter
     row = y_ptr + p * stride_y
     g = _summed_row(row, n, ok, stride_s, S)
-    u = _summed_row(row + INTER, n, ok, stride_s, S)
+    u = _summed_row(row + inter, n, ok, stride_s, S)
     act = g / (1.0 + tl.exp(-g)) * u                # silu(g) * u in fp32 (exp -> inf for g < -88: -0 * u)
     _store_rounded(out_ptr + p * stride_o + n, act, ok, OUT_BF16)
 
