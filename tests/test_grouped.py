@@ -22,6 +22,7 @@ from fp4ptq.modules import NVFP4Linear
 pytest.importorskip("triton")
 
 from fp4ptq.kernels import grouped as G
+from fp4ptq.kernels import routing as R
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -200,11 +201,11 @@ def test_routing_and_combine_kernels_compile_for_sm90_and_sm80(arch):
     for e in (8, 256) if arch == 90 else (256,):
         bins, cb, tb, warps = G.route_launch_config(e)
         chunked = {"CHUNK": G.ROUTE_CHUNK, "BINS": bins}
-        built = [compile_for(G._route_hist_kernel, ptrs, chunked, arch=arch, num_warps=4),
-                 compile_for(G._route_scan_kernel, ptrs, {"BINS": bins, "CB": cb, "TB": tb}, arch=arch,
+        built = [compile_for(R._route_hist_kernel, ptrs, chunked, arch=arch, num_warps=4),
+                 compile_for(R._route_scan_kernel, ptrs, {"BINS": bins, "CB": cb, "TB": tb}, arch=arch,
                              num_warps=warps),
-                 compile_for(G._route_place_kernel, ptrs, chunked, arch=arch, num_warps=4),
-                 compile_for(G._route_one_chunk_kernel, ptrs, dict(chunked, TB=tb), arch=arch, num_warps=4)]
+                 compile_for(R._route_place_kernel, ptrs, chunked, arch=arch, num_warps=4),
+                 compile_for(R._route_one_chunk_kernel, ptrs, dict(chunked, TB=tb), arch=arch, num_warps=4)]
         assert all(local_bytes(b.asm["ptx"]) <= 16 for b in built), (arch, e)  # (E = 256 in one program: 8 B)
     combine = compile_for(G._combine_kernel, dict(ptrs, y_ptr="*bf16", w_ptr="*bf16", out_ptr="*i16"),
                           {"K": 8, "BLOCK_N": 512, "OUT_BF16": True}, arch=arch, num_warps=4, enable_fp_fusion=False)
