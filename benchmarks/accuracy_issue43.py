@@ -8,7 +8,7 @@ the shared evaluation-data folder.
 
 Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46`` (method, ``46`` =
 Four Over Six "mse"), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation, block N),
-``rotNx`` the same without the residual stream, ``ws`` (weight global-scale search), ``is`` (W4A4 input global-scale search), ``keepP``
+``rotNx`` the same without the residual stream, ``ws`` (weight global-scale search), ``keepP``
 (``keep_budget`` P%, by block). ``fp`` is the float model.
 
     python benchmarks/accuracy_issue43.py --windows 3 --configs fp,rtn/w4a16,rot128+rtn/w4a16
@@ -64,8 +64,6 @@ def parse_config(name: str, args) -> dict:
             kw["rotate_residual"] = not part.endswith("x")
         elif part == "ws":
             kw["weight_scale_search"] = True
-        elif part == "is":
-            kw["input_scale_search"] = True
         elif part.startswith("keep"):
             kw["keep_budget"] = part[4:] + "%"
         else:

@@ -86,7 +86,7 @@ PRESETS["issue43"] = (
     + [_spec(m, s, "mse", "rot128x", rotate=128, rotate_residual=False) for s in ("w4a16", "w4a4") for m in ("gptq", "awq")]
     + [_spec("awq", s, "mse", f"keep{p}", keep_budget=f"{p}%", keep_unit="block") for s in ("w4a16", "w4a4") for p in (2, 5)]
     + [_spec("awq", "w4a16", "mse", "wscale", weight_scale_search=True),
-       _spec("awq", "w4a4", "mse", "clip_wscale_iscale", awq_clip=True, weight_scale_search=True, input_scale_search=True)]
+       _spec("awq", "w4a4", "mse", "clip_wscale", awq_clip=True, weight_scale_search=True)]
 )
 PRESETS["full"] = list(dict(PRESETS["full"] + PRESETS["issue43"]).items())
 ALL_SPECS = dict(PRESETS["all"] + PRESETS["full"])

@@ -151,8 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "rotated at run time (default: mlp.down_proj; '' for none, e.g. on MoE models)")
     q.add_argument("--weight-scale-search", action="store_true",
                    help="each weight's global scale by the whole tensor's reconstruction error (4/6 inside)")
-    q.add_argument("--input-scale-search", action="store_true",
-                   help="W4A4: the static input global scale by the layer-output error on calibration data")
     q.add_argument("--keep-budget", metavar="PCT%%|N",
                    help="keep the linears (or blocks, --keep-unit) whose quantization raises the KL to the float "
                         "model most in bf16: PCT%% of the extra bytes of keeping all, or a count")

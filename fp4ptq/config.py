@@ -78,8 +78,6 @@ class QuantConfig:
                  and writer); False keeps only the per-head v/o and the online rotations.
     weight_scale_search: each weight's (fused group's) global scale chosen by the whole
                  tensor's reconstruction error over ``WEIGHT_SCALE_SWEEP`` x its amax (4/6 inside).
-    input_scale_search: W4A4's static input global scale chosen by the layer-output error
-                 on calibration data over ``INPUT_SCALE_SWEEP`` x the calibrated amax.
     keep_budget: None, "PCT%" (extra bytes at most PCT% of what keeping every quantizable
                  linear in bf16 would add) or "N" (a count): the parts (``keep_unit``
                  "linear" or "block") whose quantization raises the KL divergence to the
@@ -109,7 +107,6 @@ class QuantConfig:
     rotate_residual: bool = True
     rotate_online: tuple = ("mlp.down_proj",)
     weight_scale_search: bool = False
-    input_scale_search: bool = False
     keep_budget: Optional[str] = None
     keep_unit: str = "linear"
     keep_nsamples: int = 2
@@ -149,7 +146,7 @@ class QuantConfig:
             )
         if not (isinstance(self.gptq_damp, (int, float)) and 0 < self.gptq_damp < 1):
             raise ConfigError(f"QuantConfig.gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
-        for name in ("gptq_act_order", "awq_clip", "rotate_random", "rotate_residual", "weight_scale_search", "input_scale_search"):
+        for name in ("gptq_act_order", "awq_clip", "rotate_random", "rotate_residual", "weight_scale_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"QuantConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_accuracy_options()
@@ -158,21 +155,19 @@ class QuantConfig:
             raise ConfigError(f"SmoothQuant alpha(s) must be in [0, 1], got {alphas!r}")
 
     def _check_accuracy_options(self) -> None:
-        """Issue 43's options: rotation, scale searches, keep budget."""
+        """Issue 43's options: rotation, weight-scale search, keep budget."""
         if self.rotate is not None and self.rotate not in ROTATION_BLOCKS:
             raise ConfigError(f"QuantConfig.rotate={self.rotate!r} must be None or one of {ROTATION_BLOCKS}")
         if not all(isinstance(p, str) and p for p in self.rotate_online):
             raise ConfigError(f"QuantConfig.rotate_online must hold non-empty strings, got {self.rotate_online!r}")
-        if self.input_scale_search and self.scheme != "w4a4":
-            raise ConfigError("QuantConfig.input_scale_search needs scheme='w4a4' (W4A16 has no input scale)")
         _choice("keep_unit", self.keep_unit, KEEP_UNITS)
         if self.keep_budget is not None:
             parse_keep_budget(self.keep_budget)
 
     @property
     def needs_samples(self) -> bool:
-        """Whether the statistics keep calibration sequences (AWQ/SmoothQuant, input-scale search)."""
-        return self.transform is not None or self.input_scale_search
+        """Whether the statistics keep calibration sequences (AWQ/SmoothQuant)."""
+        return self.transform is not None
 
     # ------------------------------------------------------------------ #
     @property
@@ -210,10 +205,19 @@ class QuantConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> "QuantConfig":
         """Inverse of ``to_dict``; unknown keys are an error (they would be silently lost)."""
         known = {f.name for f in fields(cls)}
+        data = dict(data)
+        for name, off in RETIRED_FIELDS.items():   # recorded by earlier versions
+            if name in data and data.pop(name) != off:
+                raise ConfigError(f"QuantConfig.from_dict: {name} was removed (it never helped where measured; "
+                                  "benchmarks/NOTES.md); this version cannot reproduce that config")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"QuantConfig.from_dict: unknown field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**dict(data))
+
+
+# Fields of earlier versions, with the value that meant "off": a record holding that value still reads.
+RETIRED_FIELDS = {"input_scale_search": False}
 
 
 def parse_keep_budget(value: str) -> tuple:

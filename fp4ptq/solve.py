@@ -22,8 +22,6 @@ from .stats import InputStats, _batches, _first, _join
 
 # Tokens the AWQ clipping search measures its per-block output error on.
 CLIP_TOKENS = 512
-# Tokens the W4A4 input-scale search measures each set's output error on (issue 43).
-INPUT_SEARCH_TOKENS = 2048
 
 
 @dataclass
@@ -302,11 +300,6 @@ def _install_set(block, members, stats, config, prefix, qs) -> dict:
         used = float(1 / nvfp4.global_encode_scale(1.0, config.four_six is not None) / qs[0].global_enc.float().cpu())
         searched["weight_amax_multiplier"] = round(used / plain, 4) if plain else 1.0
     input_amax = stats.input_amax() if config.scheme == "w4a4" else None
-    if config.input_scale_search and input_amax is not None and stats.samples:  # issue 43: by output error
-        input_amax, multiplier, _ = scale_search.search_input_amax(
-            _clip_tokens(stats.samples, INPUT_SEARCH_TOKENS), originals, [q.dequantize(torch.float32) for q in qs],
-            input_amax, four_six=config.four_six)
-        searched["input_amax_multiplier"] = multiplier
     for name, full, lin, w, q in zip(members, names, linears, originals, qs):
         new = NVFP4Linear.from_quantized(
             q, lin.bias, scheme=config.scheme, input_amax=input_amax,

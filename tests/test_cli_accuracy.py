@@ -19,7 +19,7 @@ def test_rotated_kept_searched_checkpoint_and_its_kld(tmp_path, capsys):
     (tmp_path / "calib.txt").write_text((tmp_path / "data" / "wikitext2" / "wiki.test.raw").read_text() * 3)
     ckpt = tmp_path / "ckpt"
     assert cli.main(["quantize", str(tmp_path / "src"), "--scheme", "w4a4", "--four-six", "mse", "--rotate", "16",
-                     "--keep-budget", "1", "--weight-scale-search", "--input-scale-search",
+                     "--keep-budget", "1", "--weight-scale-search",
                      "--calib", str(tmp_path / "calib.txt"), "--nsamples", "2", "--seqlen", "32",
                      "--output", str(ckpt), "-q"]) == 0
     info = json.loads((ckpt / "fp4ptq_report.json").read_text())

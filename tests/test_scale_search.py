@@ -1,6 +1,7 @@
-"""Global-scale searches: never worse than the plain amax on their own objective, and used by quantize."""
+"""The weight global-scale search: never worse than the plain amax on its own objective, and used by quantize."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fp4ptq import nvfp4
@@ -17,20 +18,7 @@ def test_weight_search_picks_the_least_reconstruction_error():
     assert c != 1.0 and errors[c] < errors[1.0]   # this tensor gains from the search
 
 
-def test_input_search_minimizes_the_output_error():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 64, generator=g) * 1e-3
-    x[0, 3] = 1.0   # one rare outlier sets the plain amax; the other blocks' scales fall to E4M3 subnormals
-    W = torch.randn(48, 64, generator=g)
-    Wq = nvfp4.fake_quantize(W, None)
-    amax = x.abs().max()
-    best, c, errors = scale_search.search_input_amax(x, [W], [Wq], amax, four_six="mse")
-    direct = float((nvfp4.fake_quantize(x, "mse", amax=amax * 0.5) @ Wq.T - x @ W.T).pow(2).sum())
-    assert abs(errors[0.5] - direct) <= 1e-6 * direct
-    assert errors[c] == min(errors.values()) and torch.allclose(best, amax * c)
-
-
-def test_quantize_with_both_searches_records_them_and_lowers_weight_error():
+def test_quantize_with_the_search_records_it_and_lowers_weight_error():
     import fp4ptq
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,8 +30,17 @@ def test_quantize_with_both_searches_records_them_and_lowers_weight_error():
         config = fp4ptq.QuantConfig(method="rtn", four_six="mse", scheme="w4a4", nsamples=2, seqlen=16, **kw)
         return fp4ptq.quantize(model, config, calib, progress=False).fp4ptq_info["layers"]
 
-    plain, searched = run(), run(weight_scale_search=True, input_scale_search=True)
+    plain, searched = run(), run(weight_scale_search=True)
     for name, entry in searched.items():
-        assert "weight_amax_multiplier" in entry and "input_amax_multiplier" in entry
+        assert "weight_amax_multiplier" in entry and "input_amax_multiplier" not in entry
         if name.endswith(("o_proj", "down_proj")):   # unfused: the search's objective is this layer's error
             assert entry["rel_error"] <= plain[name]["rel_error"] + 1e-7, name
+
+
+def test_a_record_of_the_retired_input_search_reads_when_off_and_is_refused_when_on():
+    from fp4ptq.config import ConfigError, QuantConfig
+
+    data = QuantConfig().to_dict()
+    assert QuantConfig.from_dict({**data, "input_scale_search": False}) == QuantConfig()
+    with pytest.raises(ConfigError, match="input_scale_search was removed"):
+        QuantConfig.from_dict({**data, "input_scale_search": True})

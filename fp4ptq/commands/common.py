@@ -110,8 +110,8 @@ def _options(config: dict, sep: str) -> str:
             and (key != "gptq_act_order" or "gptq" in config["method"])]
     if config.get("rotate"):
         opts.append(f"rot{config['rotate']}" + ("" if config.get("rotate_residual", True) else "x"))
-    opts += [name for key, name in (("weight_scale_search", "wscale"), ("input_scale_search", "iscale"))
-             if config.get(key)]
+    if config.get("weight_scale_search"):
+        opts.append("wscale")
     if config.get("keep_budget"):
         opts.append(f"keep{str(config['keep_budget']).rstrip('%')}")
     return "".join(sep + o for o in opts)

@@ -54,9 +54,8 @@ def cmd_quantize(args) -> int:
         fields["rotate_residual"] = False
     if args.rotate_online is not None:
         fields["rotate_online"] = tuple(p for p in args.rotate_online.split(",") if p)
-    for name in ("weight_scale_search", "input_scale_search"):
-        if getattr(args, name):
-            fields[name] = True
+    if args.weight_scale_search:
+        fields["weight_scale_search"] = True
     try:
         config = fp4ptq.QuantConfig(**fields)
     except ConfigError as exc:
