@@ -321,6 +321,32 @@ def test_activation_quantize_inside_the_kernel_is_bit_exact(four_six):
     assert torch.equal(out.view(torch.int32), want.reshape(m, k).view(torch.int32))
 
 
+@interpreted
+@pytest.mark.parametrize("four_six", [None, "mse"])
+def test_w4a4_prologue_equals_the_in_kernel_quantize_bit_for_bit(four_six, monkeypatch):
+    """The W4A4 prologue (each pair's row quantized once to a [P, K] workspace, then the W4A16 code path
+    with the A4 output scale) against the quantization inside the kernel: the same bits, gather (w13) and
+    sorted rows (w2), 5 experts two of them empty, a masked slot, a single token, biases, K split in 3
+    (fp32 partials) and not split."""
+    e, n, k = 5, 40, 80
+    ws = _weights(e, n, k, seed=50)
+    bias = torch.randn(e, n, generator=torch.Generator().manual_seed(51)).bfloat16() * 0.1
+    sw = G.stack_weights(ws, list(bias), [torch.tensor(2.0 + i) for i in range(e)], four_six)
+    x = _x(7, k, seed=52)
+    for idx in (INDEX_5, torch.tensor([[3]])):
+        r = G.route(idx, e)
+        v = r.valid
+        for gather, h in ((True, x[:idx.shape[0]]), (False, _x(r.pairs, k, seed=53))):
+            for split in (1, 3):
+                got = {}
+                for once in (True, False):
+                    monkeypatch.setattr(G, "A4_PROLOGUE", once)
+                    got[once] = G.grouped_linear(h, r, sw, gather=gather, split=split, partials=True)
+                assert torch.equal(got[True][..., v, :].view(torch.int16 if split == 1 else torch.int32),
+                                   got[False][..., v, :].view(torch.int16 if split == 1 else torch.int32)), \
+                    (idx.shape, gather, split)
+
+
 def _same_routing(a, b):
     from dataclasses import fields
 

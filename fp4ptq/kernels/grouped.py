@@ -333,13 +333,49 @@ def quantized_activation_tile(x_ptr, rows64, rows_ok, stride_xm, k0, K, x_enc, B
 
 
 @triton.jit
+def _pair_rows(token_ptr, first, start, end, ROWS: tl.constexpr, GATHER: tl.constexpr):
+    """Sorted pairs ``first .. first + ROWS`` of a tile from ``start`` to ``end``: (in range, the position
+    loaded (``start`` past ``end``) int64, its activation row: ``token`` with ``GATHER``, else itself)."""
+    p = first + tl.arange(0, ROWS)
+    p_ok = p < end
+    p_ld = tl.where(p_ok, p, start).to(tl.int64)
+    if GATHER:
+        rows = tl.load(token_ptr + p_ld).to(tl.int64)
+    else:
+        rows = p_ld
+    return p_ok, p_ld, rows
+
+
+@triton.jit
+def _quantize_pairs_kernel(x_ptr, token_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, xenc_ptr, q_ptr,
+                           K, stride_xm, stride_qm, GATHER: tl.constexpr, FOUR_SIX: tl.constexpr,
+                           BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The W4A4 prologue: program (tile, K chunk) writes the exact operand of the tile's pairs (``ROWS``
+    at a time, only up to its expert's last pair) over columns ``[k0, k0 + BLOCK_K)`` in q's dtype."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:  # past the tiles of this call (the grid is an upper bound)
+        return
+    start = tl.load(tile_row_ptr + tile)
+    end = tl.minimum(tl.load(offsets_ptr + e + 1), start + BLOCK_M)
+    x_enc = tl.load(xenc_ptr + e)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    for r0 in range(start, end, ROWS):
+        p_ok, p_ld, rows = _pair_rows(token_ptr, r0, start, end, ROWS, GATHER)
+        v = quantized_activation_tile(x_ptr, rows, p_ok, stride_xm, k0, K, x_enc, BLOCK_K, FOUR_SIX)
+        tl.store(q_ptr + p_ld[:, None] * stride_qm + cols[None, :], v.to(q_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
 def _grouped_kernel(
     x_ptr, token_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
     w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     N, K, stride_xm, stride_ym, stride_ys, k_split,
     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, A4: tl.constexpr, FOUR_SIX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANTIZE: tl.constexpr = True,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
@@ -347,13 +383,7 @@ def _grouped_kernel(
         return
     start = tl.load(tile_row_ptr + tile)
     end = tl.load(offsets_ptr + e + 1)
-    p = start + tl.arange(0, BLOCK_M)
-    p_ok = p < end
-    p_ld = tl.where(p_ok, p, start).to(tl.int64)
-    if GATHER:
-        rows = tl.load(token_ptr + p_ld).to(tl.int64)
-    else:
-        rows = p_ld
+    p_ok, p_ld, rows = _pair_rows(token_ptr, start, start, end, BLOCK_M, GATHER)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n_ld = tl.where(n_ok, n, 0).to(tl.int64)
@@ -366,14 +396,14 @@ def _grouped_kernel(
     aw = tl.arange(0, BLOCK_K // 8)
     ab = tl.arange(0, BLOCK_K // 16)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    if A4:
+    if A4 and QUANTIZE:
         x_enc = tl.load(xenc_ptr + e)
     split = tl.program_id(2)                     # this program's slice of K: [k_lo, k_hi)
     k_lo = split * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if A4:
+        if A4 and QUANTIZE:
             x = quantized_activation_tile(x_ptr, rows, p_ok, stride_xm, k0, K, x_enc, BLOCK_K, FOUR_SIX).to(DT)
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ak)[None, :],
@@ -492,6 +522,46 @@ def sum_partials(y: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+# The W4A4 prologue (``quantize_pairs``): each pair's activation row quantized once, its exact operand
+# written to a [P, K] workspace that the grouped kernel reads as W4A16 reads x, in place of quantizing the
+# row inside the kernel once per BLOCK_N-wide output tile (N / BLOCK_N = 24-448 times on the benchmark's
+# layers) for one launch and 2 * P * K * 2 bytes more. PREDICTION, not measured yet (benchmarks/NOTES.md,
+# "Issue 44 item 1, W4A4 activations quantized once"): it wins at every shape measured so far, so W4A4
+# always takes it (A4_PROLOGUE). A program quantizes ROWS pairs x BLOCK_K columns a step (about 2K
+# elements for 4 warps): decode tiles (1-2 pairs an expert) 2 rows of a long K chunk, others 16 x 128.
+A4_PROLOGUE = True
+PROLOGUE_DECODE = (2, 1024, 4)
+PROLOGUE_TILE = (16, 128, 4)
+
+
+def prologue_config(block_m: int, k: int) -> tuple:
+    """(ROWS, BLOCK_K, num_warps) of the W4A4 prologue for tiles of ``block_m`` rows and K = ``k``."""
+    if INTERPRET:
+        return 2, 32, 4
+    rows, bk, warps = PROLOGUE_DECODE if block_m <= 16 else PROLOGUE_TILE
+    return rows, min(bk, triton.next_power_of_2(k)), warps
+
+
+def quantize_pairs(x: torch.Tensor, routing: Routing, weight: StackedWeight, gather: bool = True,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The W4A4 prologue (one launch): ``q [P, K]`` in x's dtype, row p the exact operand ``sign * v *
+    block_scale`` of pair p's activation row (``gather``: ``x[routing.token[p]]``, else ``x[p]``) quantized
+    under its expert's ``weight.input_enc`` with nvfp4.quantize's codes and scales (Four Over Six by
+    ``weight.four_six``, near-ties as ``quantize_kernel`` documents); rows of pairs of no expert are not
+    written (``out`` as given, else uninitialized). Exact in bf16 / fp16 (2 + 4 significant bits)."""
+    k = weight.in_features
+    q = out if out is not None else torch.empty((routing.pairs, k), dtype=x.dtype, device=x.device)
+    if routing.pairs == 0 or k == 0:
+        return q
+    rows, bk, warps = prologue_config(routing.block_m, k)
+    _quantize_pairs_kernel[(routing.tile_expert.numel(), cdiv(k, bk))](
+        x, routing.token, routing.tile_expert, routing.tile_row, routing.offsets, weight.input_enc, q,
+        k, x.stride(0), q.stride(0), GATHER=gather, FOUR_SIX=FOUR_SIX_CODES[weight.four_six],
+        BLOCK_M=routing.block_m, ROWS=rows, BLOCK_K=bk,
+        num_warps=warps, enable_fp_fusion=False)  # the quantizer's roundings as written (nvfp4.py's)
+    return q
+
+
 def launch_plan(x: torch.Tensor, routing: Routing, weight: StackedWeight, config: Optional[tuple] = None,
                 split: Optional[int] = None, path: Optional[str] = None) -> tuple:
     """What ``grouped_linear`` runs on CUDA for these operands: ``(path, (BLOCK_N, BLOCK_K, num_warps,
@@ -566,6 +636,9 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     if words is None:
         raise nvfp4.NVFP4Error(f"grouped_linear: the packed weight must be 4-byte aligned with K % 8 == 0 (K = {k})")
     a4 = weight.input_enc is not None
+    prologue = a4 and A4_PROLOGUE
+    if prologue:  # each pair's row quantized once; the kernel reads the operands in sorted order
+        x, gather = quantize_pairs(x, routing, weight, gather), False
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
     if slices > 1:
@@ -579,8 +652,8 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
         words, scale.view(torch.uint8), enc, weight.input_enc if a4 else enc, bias if bias is not None else enc, y,
         n, k, x.stride(0), y.stride(-2), y.stride(0) if slices > 1 else 0, k_split,
         GATHER=gather, HAS_BIAS=bias is not None, A4=a4, FOUR_SIX=FOUR_SIX_CODES[weight.four_six] if a4 else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=not a4,  # W4A4: the quantizer's roundings as written
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET, QUANTIZE=not prologue,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=not (a4 and not prologue),  # quantizer: as written
     )
     if slices == 1 or partials:
         return y
