@@ -151,15 +151,13 @@ def test_experts_stack_once_as_views_and_fall_back_where_they_cannot():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
-@pytest.mark.parametrize("arch,a4,four_six,bm", [(90, False, 0, 16), (90, False, 0, 128), (80, False, 0, 128),
-                                                 (90, True, 1, 64), (80, True, 1, 16), (90, False, 0, "narrow"),
-                                                 (80, True, 1, "narrow")])
-def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
-    """No GPU here: the kernel's builds (W4A16; W4A4 with Four Over Six, whose build holds the standard
-    quantizer too; bf16; the decode tile, the split decode's narrow one writing fp32 partials, a mid and
-    the prefill tile) compile for sm_90 and sm_80: tensor-core MMAs on the decoded weight (wgmma from the 64-row tile on sm_90, mma.sync otherwise), shared memory
-    within sm_80-89's 99 KB, and W4A4 built without FMA contraction (its quantizer's roundings must stay
-    those of nvfp4.py)."""
+@pytest.mark.parametrize("arch,a4,bm", [(90, False, 16), (90, False, 128), (80, False, 128), (90, True, 64),
+                                        (80, True, 16), (90, False, "narrow"), (80, True, "narrow")])
+def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, bm):
+    """No GPU here: the kernel's builds (W4A16; W4A4, the prologue's operands with both global scales;
+    bf16; the decode tile, the split decode's narrow one writing fp32 partials, a mid and the prefill tile)
+    compile for sm_90 and sm_80: tensor-core MMAs on the decoded weight (wgmma from the 64-row tile on
+    sm_90, mma.sync otherwise) and shared memory within sm_80-89's 99 KB."""
     import re
 
     from compile_target import compile_for
@@ -170,16 +168,33 @@ def test_grouped_kernel_compiles_for_sm90_and_sm80(arch, a4, four_six, bm):
     bn, bk, warps, stages = G.DECODE_NARROW if bm == "narrow" else G.kernel_config(bm, 1536, 2048)
     if bm == "narrow":  # the split decode: the narrow tile writing fp32 partial sums
         bm, types = 16, dict(types, y_ptr="*fp32")
-    consts = {"GATHER": True, "HAS_BIAS": False, "A4": a4, "FOUR_SIX": four_six, "BLOCK_M": bm, "BLOCK_N": bn,
+    consts = {"GATHER": not a4, "HAS_BIAS": False, "A4": a4, "BLOCK_M": bm, "BLOCK_N": bn,
               "BLOCK_K": bk, "EVEN_K": True, "DOT_FP32": False}
-    built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages,
-                        enable_fp_fusion=not a4)
+    built = compile_for(G._grouped_kernel, types, consts, arch=arch, num_warps=warps, num_stages=stages)
     ptx = built.asm["ptx"]
     mma = set(re.findall(r"wgmma\.mma_async|mma\.sync", ptx))
     assert mma == ({"wgmma.mma_async"} if arch == 90 and bm >= 64 else {"mma.sync"}), (arch, bm, mma)
     assert built.metadata.shared <= 99 * 1024, (arch, bm, built.metadata.shared)
-    if a4:
-        assert "fma.rn.f32" not in ptx
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
+@pytest.mark.parametrize("arch,four_six,bm", [(90, 0, 16), (90, 1, 128), (80, 1, 16), (80, 0, 64)])
+def test_w4a4_prologue_compiles_for_sm90_and_sm80(arch, four_six, bm):
+    """The W4A4 prologue (standard and Four Over Six; the decode and the prefill program; gather and
+    sorted rows) compiles for sm_90 and sm_80 without FMA contraction (its quantizer's roundings must stay
+    those of nvfp4.py) and without local memory."""
+    import re
+
+    from compile_target import compile_for
+
+    types = {"x_ptr": "*bf16", "token_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
+             "offsets_ptr": "*i32", "xenc_ptr": "*fp32", "q_ptr": "*bf16"}
+    rows, bk, warps = G.PROLOGUE_DECODE if bm <= 16 else G.PROLOGUE_TILE
+    consts = {"GATHER": bm <= 16, "FOUR_SIX": four_six, "BLOCK_M": bm, "ROWS": rows, "BLOCK_K": bk}
+    ptx = compile_for(G._quantize_pairs_kernel, types, consts, arch=arch, num_warps=warps,
+                      enable_fp_fusion=False).asm["ptx"]
+    assert "fma.rn.f32" not in ptx
+    assert sum(int(n) for n in re.findall(r"__local_depot\d+\[(\d+)\]", ptx)) == 0, (arch, four_six, bm)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target; runs in the main process")
@@ -293,58 +308,42 @@ def test_grouped_linear_sorted_rows_single_token_and_many_rows_a_tile(block_m):
 
 @interpreted
 @pytest.mark.parametrize("four_six", [None, "mse", "mae", "max"])
-def test_activation_quantize_inside_the_kernel_is_bit_exact(four_six):
-    """The W4A4 operand the kernel builds (``quantized_activation_tile``) is ``sign * v * block scale``
-    of nvfp4.quantize's codes and scales bit for bit (heavy-tailed rows, a zero and a tiny block)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(x_ptr, enc_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr, FOUR_SIX: tl.constexpr):
-        rows = tl.arange(0, BM)
-        ok = rows < M
-        enc = tl.load(enc_ptr)
-        for k0 in range(0, K, BK):
-            v = G.quantized_activation_tile(x_ptr, rows.to(tl.int64), ok, K, k0, K, enc, BK, FOUR_SIX)
-            cols = k0 + tl.arange(0, BK)
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], v, mask=ok[:, None] & (cols < K)[None, :])
-
-    m, k = 6, 96
-    x = _x(m, k, seed=9)
-    amax = torch.tensor(3.0)
-    q = nvfp4.quantize(x, four_six, amax=amax)
-    want = nvfp4.e2m1_decode(q.codes()).view(m, -1, 16) * q.block_scale.float()[..., None]
-    enc = nvfp4.global_encode_scale(amax, four_six is not None).reshape(1)
-    assert torch.equal(enc.reshape(()), q.global_enc)
-    out = torch.full((m, k), float("nan"))
-    probe[(1,)](x, enc, out, m, k, BM=8, BK=64, FOUR_SIX=G.FOUR_SIX_CODES[four_six])
-    assert torch.equal(out.view(torch.int32), want.reshape(m, k).view(torch.int32))
-
-
-@interpreted
-@pytest.mark.parametrize("four_six", [None, "mse"])
-def test_w4a4_prologue_equals_the_in_kernel_quantize_bit_for_bit(four_six, monkeypatch):
-    """The W4A4 prologue (each pair's row quantized once to a [P, K] workspace, then the W4A16 code path
-    with the A4 output scale) against the quantization inside the kernel: the same bits, gather (w13) and
-    sorted rows (w2), 5 experts two of them empty, a masked slot, a single token, biases, K split in 3
-    (fp32 partials) and not split."""
+def test_w4a4_prologue_operands_and_output_are_bit_exact(four_six):
+    """The W4A4 prologue (``quantize_pairs``: each pair's row quantized once under its expert's activation
+    global scale) writes ``sign * v * block scale`` of nvfp4.quantize's codes and scales bit for bit
+    (heavy-tailed rows, a zero and a tiny block; gather and sorted rows) and leaves the rows of no expert
+    as given; and (standard, mse) the W4A4 launch equals, bit for bit, the W4A16 kernel run on those
+    nvfp4.quantize operands with the global scale ``enc_w * enc_x``: what quantizing inside the kernel gave
+    (the same operands, the same fp32 sums in the same order). 5 experts (two empty), a masked slot, a
+    single token, biases, K = 80 split in 3 (fp32 partials) and not split."""
     e, n, k = 5, 40, 80
     ws = _weights(e, n, k, seed=50)
     bias = torch.randn(e, n, generator=torch.Generator().manual_seed(51)).bfloat16() * 0.1
-    sw = G.stack_weights(ws, list(bias), [torch.tensor(2.0 + i) for i in range(e)], four_six)
+    amax = [torch.tensor(2.0 + i) for i in range(e)]
+    sw = G.stack_weights(ws, list(bias), amax, four_six)
+    as_w4a16 = G.StackedWeight(sw.packed, sw.scale, sw.enc * sw.input_enc, sw.bias)  # one fp32 product, as the kernel
     x = _x(7, k, seed=52)
     for idx in (INDEX_5, torch.tensor([[3]])):
         r = G.route(idx, e)
         v = r.valid
         for gather, h in ((True, x[:idx.shape[0]]), (False, _x(r.pairs, k, seed=53))):
+            rows = h[r.token.long()] if gather else h
+            want = torch.zeros(r.pairs, k, dtype=h.dtype)
+            for p in range(r.pairs):
+                ex = int(idx.reshape(-1)[r.order[p]])
+                if ex < e:
+                    q = nvfp4.quantize(rows[p:p + 1], four_six, amax=amax[ex])
+                    want[p] = (nvfp4.e2m1_decode(q.codes()).view(-1, 16) * q.block_scale.float()[0, :, None]).reshape(k)
+            got = G.quantize_pairs(h, r, sw, gather, out=torch.full((r.pairs, k), float("nan"), dtype=h.dtype))
+            assert torch.isnan(got[~v]).all()
+            assert torch.equal(got[v].view(torch.int16), want[v].view(torch.int16)), (idx.shape, gather)
+            if four_six in ("mae", "max"):
+                continue
             for split in (1, 3):
-                got = {}
-                for once in (True, False):
-                    monkeypatch.setattr(G, "A4_PROLOGUE", once)
-                    got[once] = G.grouped_linear(h, r, sw, gather=gather, split=split, partials=True)
-                assert torch.equal(got[True][..., v, :].view(torch.int16 if split == 1 else torch.int32),
-                                   got[False][..., v, :].view(torch.int16 if split == 1 else torch.int32)), \
-                    (idx.shape, gather, split)
+                y = G.grouped_linear(h, r, sw, gather=gather, split=split, partials=True)
+                ref = G.grouped_linear(want, r, as_w4a16, gather=False, split=split, partials=True)
+                bits = torch.int16 if split == 1 else torch.int32
+                assert torch.equal(y[..., v, :].view(bits), ref[..., v, :].view(bits)), (idx.shape, gather, split)
 
 
 def _same_routing(a, b):

@@ -1,4 +1,5 @@
-"""Grouped NVFP4 GEMM for Mixture-of-Experts layers: one launch per expert projection per layer.
+"""Grouped NVFP4 GEMM for Mixture-of-Experts layers: one launch per expert projection per layer (W4A4:
+two, the activations quantized once first).
 
 A MoE layer routes each of its T tokens to k of its E experts. ``route`` sorts the T * k (token, slot)
 pairs by expert (stable, so within an expert the pairs keep token order) and cuts each expert's run of
@@ -29,10 +30,11 @@ the dense kernels' tolerance (the GPU's exp and division).
 
 Numerics, as the dense kernels (``gemm.py``): the weight is decoded to ``code value * block scale``
 (exact in 16 bits), the products summed in fp32 and the sum multiplied by ``2^14 / global_enc`` (one
-correctly rounded scalar per expert). W4A4 quantizes each activation block inside the kernel under the
-pair's expert's activation global scale with ``quantize_kernel.quantize_halves`` (the codes and scales
-of ``nvfp4.quantize``, Four Over Six included), multiplies the exact ``v * scale`` operands and divides
-by both global scales. The output therefore equals the per-expert reference (``grouped_linear_reference``:
+correctly rounded scalar per expert). W4A4 first quantizes each pair's activation row once, in a prologue
+launch (``quantize_pairs``), under the pair's expert's activation global scale with
+``quantize_kernel.quantize_halves`` (the codes and scales of ``nvfp4.quantize``, Four Over Six included) to
+a ``[P, K]`` workspace of the exact ``sign * v * scale`` operands in x's dtype; the kernel reads them as
+W4A16 reads x (in sorted order) and divides by both global scales. The output therefore equals the per-expert reference (``grouped_linear_reference``:
 the loop over experts through ``fp4ptq.kernels``' reference, i.e. ``nvfp4.py``) up to fp32 summation
 order and the reference's rounding of the decoded weight to the activation dtype: the dense kernels'
 tolerance (relative Frobenius error < 1e-2; docs/KERNELS.md).
@@ -373,9 +375,9 @@ def _grouped_kernel(
     x_ptr, token_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
     w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     N, K, stride_xm, stride_ym, stride_ys, k_split,
-    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, A4: tl.constexpr, FOUR_SIX: tl.constexpr,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, A4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, QUANTIZE: tl.constexpr = True,
+    DOT_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
@@ -396,18 +398,13 @@ def _grouped_kernel(
     aw = tl.arange(0, BLOCK_K // 8)
     ab = tl.arange(0, BLOCK_K // 16)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    if A4 and QUANTIZE:
-        x_enc = tl.load(xenc_ptr + e)
     split = tl.program_id(2)                     # this program's slice of K: [k_lo, k_hi)
     k_lo = split * k_split
     k_hi = tl.minimum(K, k_lo + k_split)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if A4 and QUANTIZE:
-            x = quantized_activation_tile(x_ptr, rows, p_ok, stride_xm, k0, K, x_enc, BLOCK_K, FOUR_SIX).to(DT)
-        else:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ak)[None, :],
-                        mask=p_ok[:, None] & (k0 + ak < K)[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ak)[None, :],  # W4A4: the prologue's operands
+                    mask=p_ok[:, None] & (k0 + ak < K)[None, :], other=0.0)
         if EVEN_K:
             words = tl.load(w_rows[:, None] + (k0 // 8 + aw)[None, :])
             sb = tl.load(s_rows[:, None] + (k0 // 16 + ab)[None, :])
@@ -526,10 +523,10 @@ def sum_partials(y: torch.Tensor) -> torch.Tensor:
 # written to a [P, K] workspace that the grouped kernel reads as W4A16 reads x, in place of quantizing the
 # row inside the kernel once per BLOCK_N-wide output tile (N / BLOCK_N = 24-448 times on the benchmark's
 # layers) for one launch and 2 * P * K * 2 bytes more. PREDICTION, not measured yet (benchmarks/NOTES.md,
-# "Issue 44 item 1, W4A4 activations quantized once"): it wins at every shape measured so far, so W4A4
-# always takes it (A4_PROLOGUE). A program quantizes ROWS pairs x BLOCK_K columns a step (about 2K
-# elements for 4 warps): decode tiles (1-2 pairs an expert) 2 rows of a long K chunk, others 16 x 128.
-A4_PROLOGUE = True
+# "Issue 44 item 1, W4A4 activations quantized once"): it wins at every shape of the benchmark (the in-kernel
+# form could only win where one output tile covers N), so W4A4 always takes it. A program quantizes ROWS
+# pairs x BLOCK_K columns a step (about 2K elements for 4 warps): decode tiles (1-2 pairs an expert) 2 rows
+# of a long K chunk, others 16 x 128.
 PROLOGUE_DECODE = (2, 1024, 4)
 PROLOGUE_TILE = (16, 128, 4)
 
@@ -566,8 +563,9 @@ def launch_plan(x: torch.Tensor, routing: Routing, weight: StackedWeight, config
                 split: Optional[int] = None, path: Optional[str] = None) -> tuple:
     """What ``grouped_linear`` runs on CUDA for these operands: ``(path, (BLOCK_N, BLOCK_K, num_warps,
     num_stages), K slices, K a slice)``, path "dequant" (``grouped_dequant.takes_dequant``'s rule, or asked
-    for) or "kernel" (``kernel_config``'s tile, and ``split_for``'s tile and split unless ``split`` is given;
-    ``config`` in place of the tile)."""
+    for), "kernel" (``kernel_config``'s tile, and ``split_for``'s tile and split unless ``split`` is given;
+    ``config`` in place of the tile) or, W4A4, "quantize+kernel" (the prologue ``quantize_pairs``, then the
+    kernel so)."""
     from .grouped_dequant import takes_dequant
 
     e, n, k = weight.num_experts, weight.out_features, weight.in_features
@@ -577,7 +575,7 @@ def launch_plan(x: torch.Tensor, routing: Routing, weight: StackedWeight, config
     tile = config or kernel_config(bm, n, k, routing.tile_expert.numel())
     if split is None:
         tile, split = split_for(bm, n, k, min(e, routing.pairs), tile, _sm_count(x.device), narrow=config is None)
-    return ("kernel", tile) + k_slices(k, tile[1], split)
+    return ("kernel" if weight.input_enc is None else "quantize+kernel", tile) + k_slices(k, tile[1], split)
 
 
 def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, gather: bool = True,
@@ -588,7 +586,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     ``routing.token[p]`` (w13); else x is ``[P, K]`` in sorted order (down). Rows of pairs routed to no
     expert are left unwritten (``out`` as given, else uninitialized).
     ``backend``: "auto" (Triton on CUDA / under the interpreter, else the reference), "reference",
-    "triton". ``path``: "kernel" (the grouped kernel: one launch), "dequant" (W4A16: the active experts
+    "triton". ``path``: "kernel" (the grouped kernel: one launch; W4A4 two, ``quantize_pairs`` first), "dequant" (W4A16: the active experts
     dequantized, then ``torch._grouped_mm``; ``grouped_dequant.py``), None: ``grouped_dequant.takes_dequant``'s
     rule. ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of ``kernel_config``'s and
     ``split``: K slices in place of ``split_for``'s (the benchmark's sweep). With ``partials`` the result is
@@ -636,8 +634,7 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     if words is None:
         raise nvfp4.NVFP4Error(f"grouped_linear: the packed weight must be 4-byte aligned with K % 8 == 0 (K = {k})")
     a4 = weight.input_enc is not None
-    prologue = a4 and A4_PROLOGUE
-    if prologue:  # each pair's row quantized once; the kernel reads the operands in sorted order
+    if a4:  # each pair's row quantized once (one launch); the kernel reads the operands in sorted order
         x, gather = quantize_pairs(x, routing, weight, gather), False
     bias = weight.bias.contiguous() if weight.bias is not None else None
     bm = routing.block_m
@@ -651,9 +648,9 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
         x, routing.token, routing.tile_expert, routing.tile_row, routing.offsets,
         words, scale.view(torch.uint8), enc, weight.input_enc if a4 else enc, bias if bias is not None else enc, y,
         n, k, x.stride(0), y.stride(-2), y.stride(0) if slices > 1 else 0, k_split,
-        GATHER=gather, HAS_BIAS=bias is not None, A4=a4, FOUR_SIX=FOUR_SIX_CODES[weight.four_six] if a4 else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET, QUANTIZE=not prologue,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=not (a4 and not prologue),  # quantizer: as written
+        GATHER=gather, HAS_BIAS=bias is not None, A4=a4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, DOT_FP32=INTERPRET,
+        num_warps=warps, num_stages=stages,
     )
     if slices == 1 or partials:
         return y
@@ -708,5 +705,5 @@ def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
 
 
 __all__ = ["GATINGS", "Routing", "StackedWeight", "block_m_for", "combine", "combine_reference", "grouped_linear",
-           "grouped_linear_reference", "k_slices", "kernel_config", "launch_plan", "moe", "route", "route_reference", "route_triton",
+           "grouped_linear_reference", "k_slices", "kernel_config", "launch_plan", "moe", "prologue_config", "quantize_pairs", "route", "route_reference", "route_triton",
            "split_for", "stack_weights", "sum_partials", "swiglu", "swiglu_reference", "tile_bound"]
