@@ -190,11 +190,12 @@ def run(args) -> dict:
 
 
 def _path(x, routing, weight) -> str:
-    """The path ``grouped_linear`` takes for this launch: "dequant" or "kernel <BLOCK_N>x<BLOCK_K> S=<K slices>"."""
+    """The path ``grouped_linear`` takes for this launch: "dequant" or "kernel <BLOCK_N>x<BLOCK_K> S=<K slices>"
+    ("quantize+kernel ..." for W4A4: the prologue first)."""
     from fp4ptq.kernels import grouped
 
     path, tile, slices, _ = grouped.launch_plan(x, routing, weight)
-    return path if path == "dequant" else f"kernel {tile[0]}x{tile[1]} S={slices}"
+    return path if path == "dequant" else f"{path} {tile[0]}x{tile[1]} S={slices}"
 
 
 def _glue_times(hidden, index, weights, experts) -> dict:
