@@ -315,7 +315,8 @@ def test_w4a4_prologue_operands_and_output_are_bit_exact(four_six):
     as given; and (standard, mse) the W4A4 launch equals, bit for bit, the W4A16 kernel run on those
     nvfp4.quantize operands with the global scale ``enc_w * enc_x``: what quantizing inside the kernel gave
     (the same operands, the same fp32 sums in the same order). 5 experts (two empty), a masked slot, a
-    single token, biases, K = 80 split in 3 (fp32 partials) and not split."""
+    single token, biases, K = 80 split in 3 (fp32 partials) and not split. A W4A16 weight or an x of the
+    wrong width is refused by name."""
     e, n, k = 5, 40, 80
     ws = _weights(e, n, k, seed=50)
     bias = torch.randn(e, n, generator=torch.Generator().manual_seed(51)).bfloat16() * 0.1
@@ -344,6 +345,10 @@ def test_w4a4_prologue_operands_and_output_are_bit_exact(four_six):
                 ref = G.grouped_linear(want, r, as_w4a16, gather=False, split=split, partials=True)
                 bits = torch.int16 if split == 1 else torch.int32
                 assert torch.equal(y[..., v, :].view(bits), ref[..., v, :].view(bits)), (idx.shape, gather, split)
+    with pytest.raises(nvfp4.NVFP4Error, match="W4A16"):
+        G.quantize_pairs(x, r, G.stack_weights(ws))
+    with pytest.raises(nvfp4.NVFP4Error, match="x must be"):
+        G.quantize_pairs(x[:, :64], r, sw)
 
 
 def _same_routing(a, b):

@@ -547,6 +547,11 @@ def quantize_pairs(x: torch.Tensor, routing: Routing, weight: StackedWeight, gat
     ``weight.four_six``, near-ties as ``quantize_kernel`` documents); rows of pairs of no expert are not
     written (``out`` as given, else uninitialized). Exact in bf16 / fp16 (2 + 4 significant bits)."""
     k = weight.in_features
+    if weight.input_enc is None:
+        raise nvfp4.NVFP4Error("quantize_pairs: the weight is W4A16 (no input_amax): nothing to quantize")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or (not gather and x.shape[0] != routing.pairs):
+        raise nvfp4.NVFP4Error(f"quantize_pairs: x must be [{'T' if gather else routing.pairs}, {k}] with unit "
+                               f"column stride, got shape {tuple(x.shape)} strides {tuple(x.stride())}")
     q = out if out is not None else torch.empty((routing.pairs, k), dtype=x.dtype, device=x.device)
     if routing.pairs == 0 or k == 0:
         return q

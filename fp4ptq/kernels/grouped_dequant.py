@@ -83,7 +83,7 @@ def grouped_mm_dequantized(x: torch.Tensor, routing, weight, gather: bool) -> to
     ``torch._grouped_mm`` over the sorted rows: ``y [P, N]``; rows of pairs of no expert (after
     ``offsets[E]``) hold whatever the grouped GEMM left there."""
     if weight.input_enc is not None:
-        raise ValueError("grouped_mm_dequantized: W4A4 weights keep the grouped kernel (activations quantized inside)")
+        raise ValueError("grouped_mm_dequantized: W4A4 weights keep the grouped kernel (after the quantize_pairs prologue)")
     w = dequantize_experts(weight, routing.offsets, x.dtype)
     rows = x[routing.token.long()] if gather else x
     y = torch._grouped_mm(rows, w.transpose(-2, -1), offs=routing.offsets[1:])
