@@ -11,7 +11,9 @@ token, softmax weights; seeded). Each implementation runs the whole experts comp
   tokens, K split at decode where the grid is short of programs (``grouped.split_for``; the gating and the
   combine add the partial sums), and for W4A16 on 128-row tiles (prefill) the active experts dequantized, then
   ``torch._grouped_mm`` (``grouped_dequant.py``); ``w4a16_w13_path`` / ``w4a16_w2_path`` in the results say
-  which ran ("kernel <BLOCK_N>x<BLOCK_K> S=<K slices>" or "dequant");
+  which ran ("kernel <BLOCK_N>x<BLOCK_K> S=<K slices>" or "dequant"); W4A4 quantizes each pair's activation
+  row once first (``grouped.quantize_pairs``, one launch a projection: "quantize+kernel ..."), timed alone, w13's
+  and w2's together, in ``w4a4_prologue_us`` / ``w4a4_46_prologue_us``;
 * ``bf16``: the same glue (``grouped.route``'s kernels, the fused gating ``grouped.swiglu``, ``grouped.combine``'s
   kernel) around ``torch._grouped_mm`` (torch's grouped GEMM, where the installed torch has it; ``bf16_impl`` in
   the results says which ran) or else one cuBLAS call per expert with tokens (the routing is fixed for the timed
@@ -156,6 +158,10 @@ def run(args) -> dict:
                 r = grouped.route(index, experts)  # the kernel alone on w13 (the dense kernels' tolerance: 1e-2)
                 for proj, sw in (("w13", s13), ("w2", s2)):  # (w2 reads hidden's dtype and device too)
                     row[f"{scheme}_{proj}_path"] = _path(hidden, r, sw)
+                if scheme != "w4a16":  # W4A4's prologues alone (each pair's row quantized once, w13 and w2)
+                    act = torch.randn(r.pairs, ffn, device=dev).to(torch.bfloat16)
+                    row[f"{scheme}_prologue_us"] = harness.graph_us(lambda s13=s13, s2=s2, act=act, r=r, hidden=hidden: (
+                        grouped.quantize_pairs(hidden, r, s13), grouped.quantize_pairs(act, r, s2, gather=False)))
                 row[f"{scheme}_w13_rel_err"] = harness.rel(
                     grouped.grouped_linear(hidden, r, s13)[r.valid], grouped.grouped_linear_reference(hidden, r, s13)[r.valid])
                 replays = harness.graph_replays(ours, 2)
