@@ -17,6 +17,7 @@ sum never exceeds it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -51,6 +52,11 @@ def select(parts: dict, costs: dict, budget: str) -> tuple:
         if used + costs[name] <= limit:
             kept.append(name)
             used += costs[name]
+    if not kept and costs:
+        smallest = min(costs, key=costs.get)
+        warnings.warn(f"fp4ptq: keep budget {budget} ({limit} bytes) is less than the smallest part's extra bytes "
+                      f"({smallest}: {costs[smallest]}): nothing is kept in bf16; raise the budget or keep smaller "
+                      "parts (keep_unit='linear', --keep-unit linear)", stacklevel=2)
     return kept, limit
 
 

@@ -21,6 +21,11 @@ def test_selection_respects_the_budget_exactly():
 
 
 @pytest.mark.filterwarnings("ignore:save. no tokenizer given")
+def test_a_budget_below_every_part_keeps_nothing_and_says_so():
+    with pytest.warns(UserWarning, match=r"keep budget 1% \(3 bytes\) is less than the smallest part's extra bytes \(b: 100\)"):
+        assert sensitivity.select({"a": 2.0, "b": 1.0}, {"a": 200, "b": 100}, "1%") == ([], 3)
+
+
 def test_quantize_keeps_the_chosen_linears_and_inspect_shows_them(tmp_path):
     import fp4ptq
     from fp4ptq.eval.report import inspect_checkpoint, inspect_markdown
