@@ -35,3 +35,5 @@ def test_rotated_kept_searched_checkpoint_and_its_kld(tmp_path, capsys):
     result = models[1]["results"]["kld"]
     assert result["windows"] == 2 and result["kld"] > 0 and result["token_perplexity"] > 1
     assert "| kld |" in capsys.readouterr().out
+    # what was evaluated comes from the quantized model's run, not the baseline's stand-in entry
+    assert "- kld: 2/" in (tmp_path / "kld" / "report.md").read_text()

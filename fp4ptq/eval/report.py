@@ -154,22 +154,30 @@ def _fmt_delta(metric: str, delta: Optional[float], ref_value: Optional[float], 
 
 
 def _samples_note(report: dict) -> list[str]:
-    lines, seen = [], set()
-    for m in report["models"]:          # each task described once, from the first model that ran it
+    # Each task described once, in the order the tasks first appear, from the first model whose result
+    # says what ran (not one that only stands for the baseline, such as kld's "the baseline itself").
+    chosen: dict = {}
+    for m in report["models"]:
         for task, res in m["results"].items():
-            if task in seen:
-                continue
-            seen.add(task)
-            if "windows" in res:
-                words = (f"; word ppl over {res['word_documents']}/{res['documents']} documents"
-                         if res.get("word_perplexity") is not None else "")
-                lines.append(f"- {task}: {res['windows']}/{res['windows_available']} windows of {res['seqlen']} "
-                             f"tokens ({res['tokens']:,} scored tokens){words}; data: {res['source']}")
-            else:
-                lines.append(f"- {task}: {res.get('samples')}/{res.get('samples_available')} items, "
-                             f"{res.get('num_fewshot', 0)}-shot; data: {res.get('source')}")
-            lines += [f"  - note: {n}" for n in res.get("notes", [])]
+            if task not in chosen or not _describes(chosen[task]) and _describes(res):
+                chosen[task] = res
+    lines = []
+    for task, res in chosen.items():
+        if "windows" in res:
+            words = (f"; word ppl over {res['word_documents']}/{res['documents']} documents"
+                     if res.get("word_perplexity") is not None else "")
+            what = f"; {res['protocol']}" if task == "kld" and res.get("protocol") else ""
+            lines.append(f"- {task}: {res['windows']}/{res['windows_available']} windows of {res['seqlen']} "
+                         f"tokens ({res['tokens']:,} scored tokens){words}{what}; data: {res['source']}")
+        else:
+            lines.append(f"- {task}: {res.get('samples')}/{res.get('samples_available')} items, "
+                         f"{res.get('num_fewshot', 0)}-shot; data: {res.get('source')}")
+        lines += [f"  - note: {n}" for n in res.get("notes", [])]
     return lines
+
+
+def _describes(res: dict) -> bool:
+    return "windows" in res or "samples" in res
 
 
 def markdown(report: dict) -> str:
