@@ -324,7 +324,8 @@ def sweep(args) -> dict:
                         lambda x=x, sw=sw, gather=gather: grouped.grouped_linear(x, r, sw, gather=gather, path="dequant"),
                         want, r.valid)
             record("rows", row)
-        del qs, bf
+        qs.clear()   # free the layer's weights before the next (the lambdas above read qs)
+        bf.clear()
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0
     save()
