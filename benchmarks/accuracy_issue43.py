@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
         settings["device"] = f"{torch.cuda.get_device_name(device)}, float32, TF32 off"
-    path = out.with_suffix(".json")
+    path = out.parent / f"{out.name}.json"   # (not with_suffix: model names hold dots)
     report = json.loads(path.read_text()) if path.exists() else {"settings": settings, "commands": [], "results": {}}
     if {k: v for k, v in report["settings"].items() if k != "tokens"} != settings:
         raise SystemExit(f"{path} was made with other settings; use another --out")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         report["results"][name] = entry
         print(name, entry, flush=True)
         harness.write_json(str(path), report)
-        harness.write_text(str(out.with_suffix(".md")), table(report))
+        harness.write_text(str(out.parent / f"{out.name}.md"), table(report))
     return 0
 
 
