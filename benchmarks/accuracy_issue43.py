@@ -9,7 +9,7 @@ the shared evaluation-data folder.
 Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46`` (method, ``46`` =
 Four Over Six "mse"), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation, block N),
 ``rotNx`` the same without the residual stream, ``ws`` (weight global-scale search), ``keepP``
-(``keep_budget`` P%, by block). ``fp`` is the float model.
+(``keep_budget`` P%, by block; ``keepPl`` by linear). ``fp`` is the float model.
 
     python benchmarks/accuracy_issue43.py --windows 3 --configs fp,rtn/w4a16,rot128+rtn/w4a16
     python benchmarks/accuracy_issue43.py --model qwen.gguf --name qwen2.5-coder-0.5b --windows 2 --configs ...
@@ -65,7 +65,8 @@ def parse_config(name: str, args) -> dict:
         elif part == "ws":
             kw["weight_scale_search"] = True
         elif part.startswith("keep"):
-            kw["keep_budget"] = part[4:] + "%"
+            kw["keep_budget"] = part[4:].removesuffix("l") + "%"
+            kw["keep_unit"] = "linear" if part.endswith("l") else "block"
         else:
             raise SystemExit(f"unknown config part {part!r} in {name!r}")
     return kw
