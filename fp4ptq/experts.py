@@ -110,6 +110,7 @@ class LinearExperts(nn.ModuleList):
     # ------------------------------------------------------------------ #
     grouped = True   # set False to keep the loop over experts on CUDA too
     _stacked = None  # (held, w13, w2): the experts' buffers stacked (theirs are views of it); w13 None: not groupable
+    _gate = None     # what the grouped path gates with: fused_gating() or apply_gate, found at the first call
 
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> Optional[torch.Tensor]:
@@ -127,8 +128,9 @@ class LinearExperts(nn.ModuleList):
             return None
         from . import kernels
 
-        return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2],
-                                   self.fused_gating() or self.apply_gate)
+        if self._gate is None:
+            object.__setattr__(self, "_gate", self.fused_gating() or self.apply_gate)
+        return kernels.moe_experts(hidden_states, top_k_index, top_k_weights, stacked[1], stacked[2], self._gate)
 
     def fused_gating(self) -> Optional[str]:
         """"silu" where the replaced module's gating is transformers' default (``act_fn(gate) * up`` on

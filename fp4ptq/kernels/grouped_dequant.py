@@ -17,8 +17,8 @@ GEMM's fp32 summation order (a bias is added after, in the activation dtype).
 
 Where it runs (``takes_dequant``): W4A16 with bf16 activations (``torch._grouped_mm`` takes bf16) on a CUDA
 device of compute capability 9.0 or more (where it was measured) with ``torch._grouped_mm``, for launches
-of 128-row tiles (``DEQUANT_MIN_BLOCK_M``); W4A4 keeps the grouped kernel (its activations are quantized
-inside it).
+of 128-row tiles (``DEQUANT_MIN_BLOCK_M``); W4A4 keeps the grouped kernel (after the ``quantize_pairs``
+prologue).
 """
 from __future__ import annotations
 
