@@ -6,8 +6,8 @@ protocol: the WikiText-2 *test* windows of ``fp4ptq.eval.perplexity``, seqlen 20
 once and kept, so a config costs one forward per window. Calibration: C4 *train* documents from
 the shared evaluation-data folder.
 
-Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46`` (method, ``46`` =
-Four Over Six "mse"), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation, block N),
+Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46``, ``awqgptq46`` (method
+``awq+gptq``; ``46`` = Four Over Six "mse", ``46mae`` / ``46max`` the other rules), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation, block N),
 ``rotNx`` the same without the residual stream, ``ws`` (weight global-scale search), ``keepP``
 (``keep_budget`` P%, by block; ``keepPl`` by linear). ``fp`` is the float model.
 
@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -54,9 +55,9 @@ def parse_config(name: str, args) -> dict:
     kw = dict(scheme=scheme, nsamples=args.nsamples, seqlen=args.calib_seqlen, search_nsamples=args.search_nsamples,
               awq_grid=args.awq_grid, keep_nsamples=1, keep_unit="block")
     for part in parts.split("+"):
-        if part in ("rtn", "gptq", "awq", "rtn46", "gptq46", "awq46"):
-            kw["method"] = part.removesuffix("46")
-            kw["four_six"] = "mse" if part.endswith("46") else None
+        if m := re.fullmatch(r"(rtn|gptq|awq|awqgptq)(46(mse|mae|max)?)?", part):
+            kw["method"] = "awq+gptq" if m[1] == "awqgptq" else m[1]
+            kw["four_six"] = (m[3] or "mse") if m[2] else None
         elif part == "clip":
             kw["awq_clip"] = True
         elif part.startswith("rot"):
