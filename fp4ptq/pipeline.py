@@ -329,14 +329,14 @@ def quantize(
                                                 config.rotate_online, config.rotate_residual)
         rotation_info = rotation.rotate_model(model, plan, config.rotate,
                                               seed=config.seed if config.rotate_random else None, head=head)
+    world = distributed.world()
     if config.keep_budget is not None:
         keep_info = sensitivity.choose(model, _keep_candidates(model, layers_path, blocks, config), calib, config,
-                                       progress)
+                                       progress and world.main)
         config = replace(config, ignore=config.ignore + tuple(keep_info["kept"]))
 
     # Block inputs: the calibration data's, or (no data needed) a short synthetic
     # sequence that only shows discovery each block's structure.
-    world = distributed.world()
     if use_data:
         inputs = capture_sharded(model, blocks, calib, world)
         inputs.hidden = [h.to(device) for h in inputs.hidden]

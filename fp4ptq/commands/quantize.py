@@ -79,7 +79,7 @@ def cmd_quantize(args) -> int:
     from .. import distributed
 
     # Under torchrun: every rank quantizes its share, rank 0 writes while the others wait.
-    with distributed.launch(device) as (world, device), _warnings_on_rank0(world):
+    with distributed.launch(device) as (world, device), _quiet_other_ranks(world):
         path, model, config = _quantize_and_save(args, config, output, device, dtype)
     if not world.main:
         return EXIT_OK
@@ -102,11 +102,14 @@ def cmd_quantize(args) -> int:
 
 
 @contextlib.contextmanager
-def _warnings_on_rank0(world):
-    """Ranks other than 0 keep quiet (rank 0 warns about the same layers)."""
+def _quiet_other_ranks(world):
+    """Ranks other than 0 keep quiet: no warnings (rank 0 warns about the same layers) and no
+    library progress bars (transformers' weight loading), as with --quiet."""
     import warnings
 
-    with warnings.catch_warnings():
+    from ..cli import _quiet_libraries
+
+    with warnings.catch_warnings(), _quiet_libraries(not world.main):
         if not world.main:
             warnings.simplefilter("ignore")
         yield
@@ -162,7 +165,9 @@ def _check_calib(config, given: Optional[str]) -> None:
         return
     if given not in HUB_SOURCES and given != DATA_FREE:
         local_documents(given)
-    if not config.needs_calibration:
+    from ..distributed import env_world
+
+    if not config.needs_calibration and env_world().main:   # said before the process group exists
         _say(f"note: --calib {given} is not used: {config.method} {config.scheme} needs no calibration data")
 
 
