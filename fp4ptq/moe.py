@@ -120,17 +120,24 @@ def _quantize_experts(name, module, plan, shared_stats, members, captured, confi
 
     Over several ranks the experts go in runs of one per rank: each expert's
     statistics are reduced onto the rank that then searches and rounds it (on a
-    copy), and every rank folds and swaps in the broadcast results.
+    copy), and every rank folds and swaps in the broadcast results. A run ends
+    when its slowest solve does, so under "routed" (whose searches cost in
+    proportion to each expert's routed tokens) the runs take the experts by
+    decreasing cost (``_routed_order``); under "all" every expert costs the same
+    and they go in turn. The report's entries keep the experts' order.
     ``captured`` holds this rank's batches; ``batch_keys`` their places in the run."""
-    entries = {}
+    by_expert: dict = {}   # expert -> (its report entries, its smoothing records)
     gate_n, up_n, down_n = module[0].names
     chosen = {n for g in plan.groups for n in members[g]}
     groups_by_down = {g.linears[0]: g for g in plan.groups if len(g.linears) == 1}
     xs = [x.reshape(-1, x.shape[-1]) for x, _, _ in captured] if use_data else []
     keep = config.search_nsamples if config.transform else 0
     hidden_size, inter = module[0].projections()[0].in_features, module[0].projections()[2].in_features
-    for first in range(0, len(module), world.size):
-        run = list(range(first, min(first + world.size, len(module))))
+    order = list(range(len(module)))
+    if use_data and config.moe_calib == "routed" and world.parallel:
+        order = _routed_order(module, captured, batch_keys, keep, config, world)
+    for first in range(0, len(order), world.size):
+        run = order[first:first + world.size]
         units, applies = [], []
         for owner, e in enumerate(run):
             mlp = module[e]
@@ -183,12 +190,13 @@ def _quantize_experts(name, module, plan, shared_stats, members, captured, confi
             units.append(distributed.SolveUnit(full, 0.0, lambda args=args: _solve_expert(*args, config)))
             applies.append(args)
         results = distributed.run_units(units, world, device, owners=list(range(len(run))))
-        for (mlp, full, rel, gu_group, gu_members, gu_stats, dn_group, down_members, down_stats, no_data), \
-                (record, scales, gu_q, dn_q) in zip(applies, results):
+        for e, (mlp, full, rel, gu_group, gu_members, gu_stats, dn_group, down_members, down_stats, no_data), \
+                (record, scales, gu_q, dn_q) in zip(run, applies, results):
+            entries, smoothed = by_expert[e] = {}, {}
             if rel is not None:
                 apply_smoothing(mlp, rel, down_stats, scales, record)
                 record.pop("scales", None)
-                smoothing_info[f"{full}.{down_n}"] = record
+                smoothed[f"{full}.{down_n}"] = record
             entries.update(install_group(mlp, gu_group, gu_members, gu_stats, config, full, gu_q))
             if down_members:
                 entries.update(install_group(mlp, dn_group, down_members, down_stats, config, full, dn_q))
@@ -196,7 +204,37 @@ def _quantize_experts(name, module, plan, shared_stats, members, captured, confi
                 for n in (gate_n, up_n, down_n):
                     if f"{full}.{n}" in entries:
                         entries[f"{full}.{n}"]["note"] = "no routed calibration token: RTN"
+    entries = {}
+    for e in sorted(by_expert):
+        entries.update(by_expert[e][0])
+        smoothing_info.update(by_expert[e][1])
     return entries
+
+
+def _routed_order(module, captured, batch_keys: list, keep: int, config, world: distributed.World) -> list:
+    """The experts by decreasing cost of their solve under "routed" (ties by index): the
+    roundings' (from the shapes: the same for every expert with data, RTN's for one without)
+    and, with a search, candidates x the down projection's size x its search samples' tokens
+    (the expert's routed tokens in the run's first ``keep`` batches that reach it). The routed
+    token counts of every batch come from every rank, so every rank finds the same order."""
+    from .solve import _search_cost
+
+    local = {k: torch.bincount(idx.reshape(-1).long(), minlength=len(module)).tolist()
+             for k, (_, idx, _) in zip(batch_keys, captured)}
+    counts = {}
+    for part in distributed.gather_report(local, world):
+        counts.update(part)
+    gate_n, up_n, down_n = module[0].names
+    costs = []
+    for e in range(len(module)):
+        tokens = [counts[k][e] for k in sorted(counts) if counts[k][e]]
+        rtn = not tokens
+        cost = sum(rounding_unit(module[e], None, InputGroup(names, None, None, fused_sets=(names,)), list(names),
+                                 None, config, "", rtn_only=rtn).cost for names in ((gate_n, up_n), (down_n,)))
+        if config.transform and not rtn:
+            cost += _search_cost(module[e], InputGroup((down_n,), up_n, down_n), config) * sum(tokens[:keep])
+        costs.append(cost)
+    return sorted(range(len(module)), key=lambda e: (-costs[e], e))
 
 
 def _token_rows(stats: InputStats) -> None:
