@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import nvfp4
+from . import distributed, nvfp4
 from .config import QuantConfig, parse_keep_budget
 from .nvfp4 import BLOCK_SIZE
 
@@ -112,12 +112,23 @@ def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: Quan
         for handle in handles:
             handle.remove()
     tokens = rows.numel()
-    out = {}
-    for name, members in tqdm(parts.items(), desc="fp4ptq sensitivity", disable=not progress, unit="part"):
+    # Under torchrun the parts (each one forward per row: equal costs) are split over the ranks
+    # and their figures broadcast; every rank measured the reference itself.
+    world = distributed.world()
+    owners = distributed.assign([1.0] * len(parts), world.size)
+    bar = tqdm(total=owners.count(world.rank), desc="fp4ptq sensitivity", disable=not progress, unit="part")
+
+    def kl_increase(members) -> float:
         with _quantized_only(members, config, input_amax):
             total = sum(float(_kl(ref, model(input_ids=r[None], use_cache=False).logits[0]))
                         for ref, r in zip(reference, rows))
-        out[name] = total / tokens
+        bar.update()
+        return total / tokens
+
+    units = [distributed.SolveUnit(name, 1.0, lambda m=members: kl_increase(m)) for name, members in parts.items()]
+    comm = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else device
+    out = dict(zip(parts, distributed.run_units(units, world, comm, owners)))
+    bar.close()
     return out
 
 
