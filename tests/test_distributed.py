@@ -1,8 +1,9 @@
-"""Quantizing with 2 processes (torch.distributed, gloo on CPU), as torchrun runs
+"""Quantizing with 2 and 4 processes (torch.distributed, gloo on CPU), as torchrun runs
 ``fp4ptq quantize``: the checkpoint equals the single-process one byte for byte
-for RTN, GPTQ and AWQ in W4A16 and W4A4, on a tiny Llama (through the CLI) and
-a tiny Qwen3-MoE (through the Python API, experts calibrated on their routed
-tokens or on all); a rank that raises, is killed or stops answering ends every
+for RTN, GPTQ and AWQ in W4A16 and W4A4, SmoothQuant, and rotation with a keep
+budget, on a tiny Llama (through the CLI) and a tiny Qwen3-MoE (through the
+Python API, experts calibrated on their routed tokens or on all); only rank 0
+draws progress bars; a rank that raises, is killed or stops answering ends every
 rank with exit code 1 and leaves no checkpoint.
 
 The ranks are forked from one forkserver (torch and transformers imported
@@ -29,9 +30,14 @@ from test_eval_perplexity import build_model, build_tokenizer, write_data_dir
 # One sequence per batch: 4 batches, 2 per rank (the float64 sums regroup).
 TOKENS_PER_CALL = 16
 CASES = [(method, scheme) for method in ("rtn", "gptq", "awq") for scheme in ("w4a16", "w4a4")]
-# The MoE cases: (method, scheme, moe_calib). AWQ runs on "all": with "routed" and more
-# than one batch, the down projections' search samples differ in length (not batchable).
-MOE_CASES = [(m, s, "all" if m == "awq" else "routed") for m, s in CASES] + [("gptq", "w4a4", "all")]
+# One more Llama case through the CLI, without -q: SmoothQuant after a rotation, with a part
+# kept in bf16 by measurement; its progress bars (the weights' loading, the keep budget's
+# sensitivity, the blocks) must come from rank 0 alone.
+LOUD_CASE = ("smoothquant-w4a4-rot16-keep1", "smoothquant", "w4a4", ("--rotate", "16", "--keep-budget", "1"), False)
+# The MoE cases: (method, scheme, moe_calib). Under "routed" an expert's routed tokens differ
+# in number per batch: its search samples become one row of tokens (moe._token_rows).
+MOE_CASES = [(m, s, "all" if m == "awq" else "routed") for m, s in CASES] + [("gptq", "w4a4", "all"),
+                                                                            ("awq", "w4a4", "routed")]
 
 
 @pytest.fixture(scope="module")
@@ -60,30 +66,32 @@ def _tiny_moe(vocab: int):
     return model
 
 
-def _quantize_moe(work: Path, method: str, scheme: str, moe_calib: str, out: Path) -> int:
+def _quantize_moe(work: Path, method: str, scheme: str, moe_calib: str, out: Path, nsamples: int = 4) -> int:
     """The Python API under a process group, when there is one: every rank quantizes, rank 0 saves."""
     import fp4ptq
     from transformers import AutoModelForCausalLM
 
     with distributed.launch("cpu") as (world, device):
-        model = AutoModelForCausalLM.from_pretrained(work / "moe").eval()
+        with cli._quiet_libraries(True):   # no loading bar on any rank: the CLI cases test rank 0's bars
+            model = AutoModelForCausalLM.from_pretrained(work / "moe").eval()
         config = fp4ptq.QuantConfig(method=method, scheme=scheme, moe_calib=moe_calib, search_nsamples=3, awq_grid=4,
                                     four_six="mse" if scheme == "w4a4" else None, awq_clip=method == "awq")
-        calib = torch.randint(4, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+        calib = torch.randint(4, model.config.vocab_size, (nsamples, 16), generator=torch.Generator().manual_seed(1))
         fp4ptq.quantize(model, config, calib, device=device, progress=False)
         if world.parallel:   # every rank's peak and share, kept out of the written report
             ranks = model.fp4ptq_info["peak_memory"]["ranks"]
-            assert [r["rank"] for r in ranks] == [0, 1] and all(r["host_rss_bytes"] > 0 for r in ranks)
-            assert [r["sequences"] for r in ranks] == ([0, 0] if (method, scheme) == ("rtn", "w4a16") else [2, 2])
+            assert [r["rank"] for r in ranks] == list(range(world.size)) and all(r["host_rss_bytes"] > 0 for r in ranks)
+            share = 0 if (method, scheme) == ("rtn", "w4a16") else nsamples // world.size
+            assert [r["sequences"] for r in ranks] == [share] * world.size
         if world.main:
             fp4ptq.save(model, out)
     return 0
 
 
-def _argv(work: Path, method: str, scheme: str, out: Path) -> list:
+def _argv(work: Path, method: str, scheme: str, out: Path, extra=(), nsamples: int = 4, quiet: bool = True) -> list:
     argv = ["quantize", str(work / "src"), "--method", method, "--scheme", scheme, "--calib", str(work / "calib.txt"),
-            "--nsamples", "4", "--seqlen", "16", "--search-nsamples", "3", "--awq-grid", "4",
-            "--output", str(out), "--device", "cpu", "-q"]
+            "--nsamples", str(nsamples), "--seqlen", "16", "--search-nsamples", "3", "--awq-grid", "4",
+            "--output", str(out), "--device", "cpu", *extra] + (["-q"] if quiet else [])
     if scheme == "w4a4":
         argv += ["--four-six", "mse"]
     if method == "awq":
@@ -164,39 +172,77 @@ def _same_checkpoint(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_two_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypatch):
+def _jobs(work: Path, root: Path, cli_cases: list, moe_cases: list, nsamples: int = 4) -> dict:
+    """``{name: job}`` writing ``root / name``: CLI argument lists (``cli.main``) for
+    ``(name, method, scheme, extra, quiet)`` and ``_quantize_moe`` arguments for the MoE cases."""
+    root.mkdir()
+    jobs = {name: _argv(work, m, s, root / name, extra, nsamples, quiet) for name, m, s, extra, quiet in cli_cases}
+    jobs.update({"moe-" + "-".join(case): (work, *case, root / ("moe-" + "-".join(case)), nsamples)
+                 for case in moe_cases})
+    return jobs
+
+
+def _one_process(jobs, monkeypatch) -> None:
+    """Run ``jobs`` in this process (no torchrun environment) with one thread, as the ranks do."""
     monkeypatch.setattr(stats, "TOKENS_PER_CALL", TOKENS_PER_CALL)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for method, scheme in CASES:
-            assert cli.main(_argv(work, method, scheme, tmp_path / f"one-{method}-{scheme}")) == 0
-        for case in MOE_CASES:
-            _quantize_moe(work, *case, tmp_path / ("one-moe-" + "-".join(case)))
+        for job in jobs:
+            assert (cli.main(job) if isinstance(job, list) else _quantize_moe(*job)) == 0, job
     finally:
         torch.set_num_threads(threads)
-    jobs = [_argv(work, m, s, tmp_path / f"two-{m}-{s}") for m, s in CASES]
-    jobs += [(work, *case, tmp_path / ("two-moe-" + "-".join(case))) for case in MOE_CASES]
-    exits, codes, logs = _launch(tmp_path, list(zip(jobs, _free_ports(len(jobs)))))
-    assert exits == [0, 0] and codes == [[0] * len(jobs)] * 2, logs
-    names = [f"{m}-{s}" for m, s in CASES] + ["moe-" + "-".join(case) for case in MOE_CASES]
-    for name in names:
-        one, two = tmp_path / f"one-{name}", tmp_path / f"two-{name}"
-        _same_checkpoint(one, two)
-    info = json.loads((tmp_path / "two-moe-gptq-w4a4-routed" / "fp4ptq_report.json").read_text())
+
+
+def _ranks_match_one_process(work: Path, tmp_path: Path, monkeypatch, size: int, cli_cases: list, moe_cases: list,
+                             nsamples: int) -> list:
+    """Every case in one process and on ``size`` ranks: the same checkpoints byte for byte; the ranks' logs."""
+    one = _jobs(work, tmp_path / "one", cli_cases, moe_cases, nsamples)
+    many = _jobs(work, tmp_path / "many", cli_cases, moe_cases, nsamples)
+    _one_process(one.values(), monkeypatch)
+    exits, codes, logs = _launch(tmp_path, list(zip(many.values(), _free_ports(len(many)))), size=size,
+                                 timeout=60 * size)
+    assert exits == [0] * size and codes == [[0] * len(many)] * size, logs
+    for name in one:
+        _same_checkpoint(tmp_path / "one" / name, tmp_path / "many" / name)
+    assert "fp4ptq: quantizing" in logs[0] and not any("fp4ptq: quantizing" in log for log in logs[1:])  # rank 0 speaks
+    assert logs[0].count(f"on {size} ranks, rank 0's, peak ") == len(cli_cases) == logs[0].count("; peak per rank: ")
+    return logs
+
+
+def _draws_bars(log: str) -> bool:
+    """tqdm's output: a bar's "NN%|" or its rate."""
+    return any(mark in log for mark in ("%|", "it/s]", "s/it]"))
+
+
+def test_two_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypatch):
+    cli_cases = [(f"{m}-{s}", m, s, (), True) for m, s in CASES] + [LOUD_CASE]
+    logs = _ranks_match_one_process(work, tmp_path, monkeypatch, 2, cli_cases, MOE_CASES, 4)
+    info = json.loads((tmp_path / "many" / "moe-gptq-w4a4-routed" / "fp4ptq_report.json").read_text())
     assert sum(".experts." in n for n in info["layers"]) == 2 * 4 * 3   # 2 blocks x 4 experts x gate/up/down
-    assert "fp4ptq: quantizing" in logs[0] and "fp4ptq: quantizing" not in logs[1]   # rank 0 speaks
-    assert logs[0].count("on 2 ranks, rank 0's, peak ") == len(CASES) == logs[0].count("; peak per rank: ")
+    info = json.loads((tmp_path / "many" / LOUD_CASE[0] / "fp4ptq_report.json").read_text())
+    assert info["config"]["rotate"] == 16 and any("keep_budget" in r for r in info["high_precision"].values())
+    assert info["smoothing"]
+    # Progress bars from rank 0 only (the weights' loading, the keep budget's measurement, the blocks).
+    assert "fp4ptq sensitivity" in logs[0] and _draws_bars(logs[0]), logs[0]
+    assert not _draws_bars(logs[1]) and "sensitivity" not in logs[1], logs[1]
 
 
-@pytest.mark.parametrize("fault", ["raise", "kill", "stop"])
-def test_a_failing_rank_ends_every_rank_with_exit_code_1_and_no_checkpoint(work, tmp_path, fault):
-    # raise: rank 1's error is recorded for rank 0's watchdog; kill: rank 0 (the
-    # store's host) dies, rank 1 loses its collective and its store; stop: rank 1
-    # hangs without dying (as a dead NCCL peer looks), found by its silent heartbeat.
-    failing = 0 if fault == "kill" else 1
+def test_four_ranks_write_the_single_process_checkpoint(work, tmp_path, monkeypatch):
+    # 8 sequences, one a batch: 2 batches per rank, so the float64 sums regroup
+    # ((b0+b1)+(b2+b3)+... against one process's b0+b1+...+b7).
+    cli_cases = [("gptq-w4a16", "gptq", "w4a16", (), True), ("awq-w4a4", "awq", "w4a4", (), True)]
+    _ranks_match_one_process(work, tmp_path, monkeypatch, 4, cli_cases, [("gptq", "w4a4", "routed")], 8)
+
+
+@pytest.mark.parametrize("failing, fault", [(1, "raise"), (0, "kill"), (1, "kill"), (1, "stop")])
+def test_a_failing_rank_ends_every_rank_with_exit_code_1_and_no_checkpoint(work, tmp_path, failing, fault):
+    # raise: rank 1's error is recorded for rank 0's watchdog; kill rank 0 (the
+    # store's host): rank 1 loses its collective and its store; kill rank 1: rank 0
+    # loses its collective; stop: rank 1 hangs without dying (as a dead NCCL peer
+    # looks), found by its silent heartbeat.
     out = tmp_path / "ckpt"
     (port,) = _free_ports(1)
     exits, codes, logs = _launch(tmp_path, [(_argv(work, "gptq", "w4a4", out), port)], inject=(failing, fault))
@@ -208,6 +254,8 @@ def test_a_failing_rank_ends_every_rank_with_exit_code_1_and_no_checkpoint(work,
         assert "rank 1 failed: RuntimeError: injected failure" in logs[0], logs
     elif fault == "stop":
         assert "rank 1 has not answered" in logs[0], logs
+    elif failing == 1:
+        assert "lost contact with another rank" in logs[0], logs
 
 
 def test_assignment_is_balanced_by_cost_and_deterministic():
@@ -258,3 +306,38 @@ def test_bad_torchrun_environment_is_a_usage_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
     assert distributed.env_world() == distributed.SINGLE and distributed.world() == distributed.SINGLE
+
+
+def test_each_rank_uses_its_local_rank_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert distributed.rank_device("cuda", distributed.World(4, 1, 1)) == "cuda:1"
+    assert distributed.rank_device("cuda", distributed.World(4, 2, 0)) == "cuda:0"   # 2nd node's first rank
+    assert distributed.rank_device("cpu", distributed.World(4, 3, 1)) == "cpu"
+    assert distributed.rank_device("cuda:1", distributed.SINGLE) == "cuda:1"   # one process: as given
+    with pytest.raises(distributed.DistributedError, match="--device cuda:1: under torchrun every rank uses its "
+                                                           "LOCAL_RANK GPU; give --device cuda"):
+        distributed.rank_device("cuda:1", distributed.World(2, 0, 0))
+    with pytest.raises(distributed.DistributedError, match="rank 3: LOCAL_RANK=3 but this node has 2 GPU"):
+        distributed.rank_device("cuda", distributed.World(4, 3, 3))
+
+
+def test_routed_experts_go_to_the_runs_by_decreasing_cost(work):
+    # Under "routed" a run of experts (one per rank) lasts as long as its slowest solve:
+    # the runs take the experts by decreasing cost. Expert 1 gets 8 tokens, 2 gets 5, 3 gets 3,
+    # 0 none (RTN: the cheapest); AWQ's down search costs in proportion to the tokens.
+    import fp4ptq
+    from fp4ptq import moe
+    from fp4ptq.experts import LinearExperts, linearize_model
+    from transformers import AutoModelForCausalLM
+
+    with cli._quiet_libraries(True):
+        model = AutoModelForCausalLM.from_pretrained(work / "moe")
+    linearize_model(model)
+    module = next(m for m in model.modules() if isinstance(m, LinearExperts))
+    captured = [(torch.zeros(8, 64), torch.tensor([[2, 1]] * 5 + [[1, 3]] * 3), None)]
+    for method in ("awq", "gptq"):
+        config = fp4ptq.QuantConfig(method=method, moe_calib="routed", search_nsamples=3)
+        assert moe._routed_order(module, captured, [0], 3, config, distributed.SINGLE) == [1, 2, 3, 0], method
+    captured[0][1][:5] = torch.tensor([3, 1])   # 1 and 3 get 8 tokens each, 0 and 2 none: ties by index
+    assert moe._routed_order(module, captured, [0], 3, config, distributed.SINGLE) == [1, 3, 0, 2]
