@@ -91,9 +91,10 @@ def _quantized_only(linears: Sequence[nn.Linear], config: QuantConfig, input_ama
 
 @torch.no_grad()
 def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: QuantConfig,
-            progress: bool = False) -> dict:
+            progress: bool = False, comm_device=None) -> dict:
     """``{part: mean KL increase per token}`` for ``parts`` (name -> list of linears) on the first
-    ``config.keep_nsamples`` calibration rows (their first SENSITIVITY_TOKENS tokens)."""
+    ``config.keep_nsamples`` calibration rows (their first SENSITIVITY_TOKENS tokens). Under
+    torchrun the figures travel through ``comm_device`` (this rank's device; default: the model's)."""
     from tqdm.auto import tqdm
 
     device = model.get_input_embeddings().weight.device
@@ -126,19 +127,18 @@ def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: Quan
         return total / tokens
 
     units = [distributed.SolveUnit(name, 1.0, lambda m=members: kl_increase(m)) for name, members in parts.items()]
-    comm = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else device
-    out = dict(zip(parts, distributed.run_units(units, world, comm, owners)))
+    out = dict(zip(parts, distributed.run_units(units, world, comm_device or device, owners)))
     bar.close()
     return out
 
 
 def choose(model: nn.Module, parts: dict, calib: torch.LongTensor, config: QuantConfig,
-           progress: bool = False) -> dict:
+           progress: bool = False, comm_device=None) -> dict:
     """Measure and select under ``config.keep_budget``; ``parts``: part name -> [(full linear name,
     module), ...] (a linear, a fused group or a block). Returns the record for the report (kept linears,
     per-part KL increase and extra bytes, the budget)."""
     costs = {p: sum(extra_bytes(lin, config.scheme) for _, lin in m) for p, m in parts.items()}
-    kl = measure(model, {p: [lin for _, lin in m] for p, m in parts.items()}, calib, config, progress)
+    kl = measure(model, {p: [lin for _, lin in m] for p, m in parts.items()}, calib, config, progress, comm_device)
     kept_parts, limit = select(kl, costs, config.keep_budget)
     kept = [n for p in kept_parts for n, _ in parts[p]]
     return {
