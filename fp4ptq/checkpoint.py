@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import rotation
+from . import rotation, transforms
 from .atomic import (  # noqa: F401 - re-exported: fp4ptq.checkpoint is the checkpoint API
     _write_json,
     atomic_directory,
@@ -256,7 +256,7 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
 def attach_transforms(model: nn.Module, qcfg: dict, where: str) -> None:
     """Online rotations of a ``transform_config`` (issue 43), as empty modules their weights load into."""
     try:
-        rotation.attach_from_config(model, (qcfg or {}).get("transform_config"), where)
+        transforms.attach_from_config(model, (qcfg or {}).get("transform_config"), where)
     except rotation.RotationError as exc:
         raise CheckpointError(str(exc)) from exc
 

@@ -234,7 +234,7 @@ def parse_quantization_config(qcfg, where: str) -> tuple:
     if method != CT_QUANT_METHOD:
         raise CheckpointError(f"{where}: quant_method {method!r} is not supported; fp4ptq loads {CT_QUANT_METHOD!r}")
     problems = []
-    for key in ("kv_cache_scheme", "sparsity_config"):   # (transform_config: rotation.attach_from_config)
+    for key in ("kv_cache_scheme", "sparsity_config"):   # (transform_config: transforms.attach_from_config)
         if qcfg.get(key):
             problems.append(f"{key} is set (fp4ptq runs neither KV-cache quantization nor sparsity)")
     if (qcfg.get("quantization_status") or "compressed") != "compressed":

@@ -28,18 +28,15 @@ be rotated exactly (LayerNorm, post-norms on the writers, another module reading
 the stream) raises ``RotationError`` naming it, and ``rotate_model`` compares the
 logits of a short sequence before and after (``PROBE_TOLERANCE``).
 
-The online rotations are recorded as compressed-tensors' ``transform_config``
-(``compressed_tensors.transform.TransformConfig``: one ``hadamard`` or
-``random-hadamard`` scheme, ``head_dim`` = the block, ``location: input``) inside
-``quantization_config``; ``attach_from_config`` rebuilds them at load. The folded
-(offline) rotations are already in the stored weights and are recorded in the
-fp4ptq report only (a loader must not apply them again).
+The online rotations are recorded as compressed-tensors' ``transform_config``, written and read
+back by ``fp4ptq.transforms`` (which also says what stock transformers does with it). The folded
+(offline) rotations are already in the stored weights and are recorded in the fp4ptq report only
+(a loader must not apply them again).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -707,99 +704,6 @@ def _probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids.to(device), use_cache=False).logits.float()
 
 
-# --------------------------------------------------------------------------- #
-# compressed-tensors transform_config
-# --------------------------------------------------------------------------- #
-def transform_config(model: nn.Module, randomized: Optional[bool] = None) -> Optional[dict]:
-    """The ``transform_config`` dict for ``quantization_config`` describing the model's online
-    rotations (one scheme per block size), or None when it has none; validated against
-    compressed-tensors' ``TransformConfig``."""
-    by_size: dict = {}
-    for name, module in model.named_modules():
-        transform = online_transform(module)
-        if transform is not None:
-            by_size.setdefault(transform.weight.shape[0], []).append(name)
-    if not by_size:
-        return None
-    if randomized is None:
-        randomized = bool((getattr(model, "fp4ptq_info", None) or {}).get("rotation", {}).get("randomized", True))
-    groups = {}
-    for index, (size, targets) in enumerate(sorted(by_size.items())):
-        key = TRANSFORM_GROUP if index == 0 else f"{TRANSFORM_GROUP}_{size}"
-        groups[key] = {
-            "type": "random-hadamard" if randomized else "hadamard",
-            "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []}],
-            "randomize": False, "requires_grad": False, "head_dim": size, "precision": "float32",
-        }
-    if len(groups) > 1:
-        raise RotationError("online rotations of several block sizes: compressed-tensors names the module after "
-                            "its group, so one checkpoint holds one size")
-    config = {"config_groups": groups}
-    _validate(config)
-    return config
-
-
-def _validate(config: dict) -> None:
-    try:
-        from compressed_tensors.transform import TransformConfig
-    except ImportError:   # the package is optional at load: the checks below still run
-        return
-    try:
-        TransformConfig.model_validate(config)
-    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, reported with the key
-        raise RotationError(f"transform_config does not validate as compressed-tensors' TransformConfig: {exc}") from exc
-
-
-def _targets(model: nn.Module, targets: list) -> list:
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or hasattr(m, "weight_packed")]
-    out = []
-    for target in targets:
-        if target.startswith("re:"):
-            out += [n for n in names if re.match(target[3:], n)]
-        elif target in names:
-            out.append(target)
-    return list(dict.fromkeys(out))
-
-
-def attach_from_config(model: nn.Module, config: Optional[dict], where: str, device=None) -> list:
-    """Rebuild the online rotations a ``transform_config`` describes (their weights come from the
-    checkpoint's ``{target}.{group}_input.weight``). Only what fp4ptq runs is accepted: hadamard /
-    random-hadamard schemes at ``location: input``, not inverted, no permutation. Returns the targets."""
-    if not config:
-        return []
-    _validate(config)
-    attached = []
-    for key, scheme in (config.get("config_groups") or {}).items():
-        problem = None
-        if scheme.get("type") not in ("hadamard", "random-hadamard"):
-            problem = f"type {scheme.get('type')!r}"
-        elif scheme.get("randomize"):
-            problem = "randomize (permuted Hadamard) is set"
-        elif key != TRANSFORM_GROUP:
-            problem = f"group name {key!r} (fp4ptq reads {TRANSFORM_GROUP!r})"
-        size = scheme.get("head_dim")
-        for args in scheme.get("apply") or []:
-            if problem is None and (args.get("location") != "input" or args.get("inverse")):
-                problem = f"location {args.get('location')!r} inverse={args.get('inverse')} (fp4ptq runs online input rotations)"
-            if problem:
-                break
-            targets = _targets(model, args.get("targets") or [])
-            if not targets:
-                problem = f"targets {args.get('targets')} match no linear of the model"
-                break
-            for name in targets:
-                module = model.get_submodule(name)
-                in_features = getattr(module, "in_features", None)
-                if not size or in_features is None or in_features % size:
-                    problem = f"head_dim {size} does not divide {name}'s input size {in_features}"
-                    break
-                attach_online(module, OnlineHadamard(size, device=device or "meta"))
-                attached.append(name)
-        if problem:
-            raise RotationError(f"{where}: transform_config group {key!r}: {problem}; fp4ptq cannot apply it")
-    return attached
-
-
 def describe(info: Optional[dict]) -> Optional[str]:
     """One line for ``inspect``: the rotation record of a report."""
     if not info:
@@ -814,8 +718,8 @@ def describe(info: Optional[dict]) -> Optional[str]:
 
 
 __all__ = [
-    "OnlineHadamard", "ROTATION_BLOCKS", "RotationError", "RotationPlan", "TRANSFORM_GROUP", "apply_blocks",
-    "attach_from_config", "attach_online", "block_for", "describe", "fold_norm", "hadamard_signs", "move_online",
-    "norm_form", "online_transform", "plan_from_discovery", "plan_from_spec", "rotate_input", "rotate_model", "rotate_output", "sylvester_hadamard",
-    "transform_config",
+    "OnlineHadamard", "ROTATION_BLOCKS", "RotationError", "RotationPlan", "TRANSFORM_GROUP", "TRANSFORM_MODULE",
+    "apply_blocks", "attach_online", "block_for", "describe", "fold_norm", "hadamard_signs", "move_online",
+    "norm_form", "online_transform", "plan_from_discovery", "plan_from_spec", "rotate_input", "rotate_model",
+    "rotate_output", "sylvester_hadamard",
 ]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import nvfp4, rotation
+from . import nvfp4, transforms
 from .atomic import _write_json, atomic_directory
 from .integrity import config_hash, tensor_hashes
 from .layout import (
@@ -118,9 +118,9 @@ def compressed_tensors_config(model: nn.Module) -> dict:
         "global_compression_ratio": None,
         "moe_sparsity_config": None,
     }
-    transforms = rotation.transform_config(model)  # issue 43: online rotations, compressed-tensors' keys
-    if transforms is not None:
-        config["transform_config"] = transforms
+    online = transforms.transform_config(model)  # issue 43: online rotations, compressed-tensors' keys
+    if online is not None:
+        config["transform_config"] = online
     return config
 
 
@@ -449,7 +449,7 @@ def save(
     dtype = dtype or stored_dtype(model, layers)
     state = _stored_dtypes(_state_dict(model), layers, dtype)
     report = _strip_timings(_base_report(model, layers))
-    if format == "modelopt" and rotation.transform_config(model) is not None:
+    if format == "modelopt" and transforms.transform_config(model) is not None:
         raise CheckpointError("the model has online rotations (issue 43), which ModelOpt's layout cannot record; "
                               "save with format='compressed-tensors'")
     if format == "modelopt":
