@@ -20,14 +20,16 @@ quantizer table with ``dispatch_quantizer``, which picks per checkpoint:
 * transformers' own quantizer for everything else (FP8, INT4, sparse, ...)
   and whenever ``quantization_config=CompressedTensorsConfig(dequantize=True)``
   is passed: that is the per-call way back to transformers' behaviour (dense
-  dequantized weights, e.g. for fine-tuning).
+  dequantized weights, e.g. for fine-tuning), except for a checkpoint with online rotations
+  (``transform_config``), which transformers' quantizer would run without them: refused.
 
 ``import fp4ptq`` arranges for ``register()`` to run as soon as transformers'
 quantizer table is imported (``fp4ptq/_hook.py``; skip it with the environment
 variable ``FP4PTQ_TRANSFORMERS_HOOK=0``); ``unregister()`` and ``stock_compressed_tensors()``
 (a context manager) restore transformers' entry. Parsing the config still uses
-transformers' ``CompressedTensorsConfig``, so ``from_pretrained`` needs the
-``compressed-tensors`` package installed; ``fp4ptq.load`` does not.
+transformers' ``CompressedTensorsConfig`` (as ``FP4PTQConfig``, registered in its place, which first
+drops the guard that makes stock transformers refuse rotated checkpoints: ``fp4ptq/transforms.py``),
+so ``from_pretrained`` needs the ``compressed-tensors`` package installed; ``fp4ptq.load`` does not.
 
 The module swap, the config/tensor checks and the report are shared with
 ``fp4ptq.load`` (``fp4ptq/checkpoint.py``): both read the safetensors headers
@@ -41,11 +43,35 @@ from pathlib import Path
 
 from transformers.quantizers import auto as _auto
 from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import CompressedTensorsConfig
 
-from . import checkpoint
+from . import checkpoint, transforms
 
 QUANT_METHOD = checkpoint.CT_QUANT_METHOD
-_stock = {"quantizer": None}
+_stock = {"quantizer": None, "config": None}
+
+
+class FP4PTQConfig(CompressedTensorsConfig):
+    """transformers' ``CompressedTensorsConfig`` less the guard our rotated checkpoints carry so that
+    stock transformers refuses them (``fp4ptq.transforms``); keeps the checkpoint's ``transform_config``
+    (``fp4ptq_transforms``: only fp4ptq's quantizer applies it), and writes both back in ``to_dict``
+    (a ``save_pretrained`` of the loaded model keeps its rotations and the guard)."""
+
+    def __init__(self, config_groups=None, **kwargs):
+        self.fp4ptq_transforms = kwargs.get("transform_config") or None
+        super().__init__(transforms.without_guard(config_groups), **kwargs)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.fp4ptq_transforms:
+            out["transform_config"] = self.fp4ptq_transforms
+            transforms.guard_stock_loaders(out)
+        return out
+
+
+# transformers compares a checkpoint's config class with the caller's by name (merge_quantization_configs):
+# a caller's CompressedTensorsConfig(dequantize=True) must still match this one
+FP4PTQConfig.__name__ = CompressedTensorsConfig.__name__
 
 
 def _nvfp4_problem(quantization_config):
@@ -129,8 +155,14 @@ class FP4PTQHfQuantizer(HfQuantizer):
 
 def dispatch_quantizer(quantization_config, **kwargs):
     """The ``"compressed-tensors"`` entry of transformers' quantizer table while registered."""
-    if _nvfp4_problem(quantization_config) is None:
+    problem = _nvfp4_problem(quantization_config)
+    if problem is None:
         return FP4PTQHfQuantizer(quantization_config, **kwargs)
+    if getattr(quantization_config, "fp4ptq_transforms", False):
+        raise checkpoint.CheckpointError(
+            "this checkpoint has online rotations (quantization_config.transform_config), which transformers' own "
+            f"compressed-tensors quantizer does not apply, and fp4ptq does not load it here ({problem}); load it "
+            "without dequantize=True (fp4ptq applies the rotations) or with fp4ptq.load")
     stock = _stock["quantizer"]
     if stock is None:
         raise ImportError("transformers has no compressed-tensors quantizer for this checkpoint")
@@ -143,7 +175,9 @@ def register() -> None:
     if current is dispatch_quantizer:
         return
     _stock["quantizer"] = current
+    _stock["config"] = _auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD)
     _auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = dispatch_quantizer
+    _auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = FP4PTQConfig   # reads the rotation guard
 
 
 def unregister() -> None:
@@ -153,6 +187,8 @@ def unregister() -> None:
             del _auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD]
         else:
             _auto.AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = _stock["quantizer"]
+        if _stock["config"] is not None:
+            _auto.AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = _stock["config"]
 
 
 def is_registered() -> bool:
@@ -177,5 +213,5 @@ def stock_compressed_tensors():
 if os.environ.get("FP4PTQ_TRANSFORMERS_HOOK", "1") != "0":
     register()
 
-__all__ = ["FP4PTQHfQuantizer", "dispatch_quantizer", "is_registered", "register", "stock_compressed_tensors",
+__all__ = ["FP4PTQConfig", "FP4PTQHfQuantizer", "dispatch_quantizer", "is_registered", "register", "stock_compressed_tensors",
            "unregister"]

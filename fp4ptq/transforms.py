@@ -19,11 +19,18 @@ Who applies it (read from the installed packages' sources):
 * transformers 5.25: never. ``CompressedTensorsConfig`` passes ``transform_config`` to
   compressed-tensors' ``QuantizationConfig``, which ignores unknown keys, and its quantizer never
   calls ``apply_transform_config``: the rotation weights load as UNEXPECTED and are dropped, and the
-  model runs without its online rotations, giving wrong logits without an error. There is no
-  config field that makes it apply them.
+  model runs without its online rotations, giving wrong logits without an error (an audit measured a
+  mean relative 0.27 from fp4ptq.load's logits on SmolLM2). There is no config field that makes it apply them.
 * vLLM (not run here): applies input transforms (``hadamard`` with its Hadamard kernel,
   ``random-hadamard`` with the stored weights); it reads a config group's keys one by one.
 * fp4ptq (``fp4ptq.load``, ``from_pretrained`` after ``import fp4ptq``): ``attach_from_config``.
+
+So that stock transformers fails loudly instead of silently, every config group of a checkpoint
+with online rotations carries the key ``STOCK_GUARD_KEY``, which compressed-tensors'
+``QuantizationScheme`` (``extra="forbid"``) refuses: transformers' ``from_pretrained`` stops with a
+validation error naming the key, before any weight loads. vLLM and fp4ptq ignore it (fp4ptq's
+transformers hook drops it before transformers parses the config). A checkpoint rotated offline
+only (``--rotate-online ''``) has no transform_config, no guard, and runs anywhere.
 """
 from __future__ import annotations
 
@@ -33,6 +40,29 @@ from typing import Optional
 from torch import nn
 
 from .rotation import TRANSFORM_GROUP, OnlineHadamard, RotationError, attach_online, online_transform
+
+STOCK_GUARD_KEY = "online_rotations_need_a_loader_that_applies_transform_config"
+STOCK_GUARD_TEXT = ("this checkpoint runs its linears' inputs through online Hadamard rotations "
+                    "(quantization_config.transform_config) that transformers' compressed-tensors "
+                    "integration does not apply: load it with fp4ptq (import fp4ptq before from_pretrained, or "
+                    "fp4ptq.load) or vLLM; quantize with --rotate-online '' for a checkpoint every loader runs")
+
+
+def guard_stock_loaders(config: dict) -> dict:
+    """Put ``STOCK_GUARD_KEY`` into every config group of a ``quantization_config`` that has a
+    ``transform_config`` (in place; returned)."""
+    if config.get("transform_config"):
+        for group in (config.get("config_groups") or {}).values():
+            group[STOCK_GUARD_KEY] = STOCK_GUARD_TEXT
+    return config
+
+
+def without_guard(config_groups):
+    """``config_groups`` less ``STOCK_GUARD_KEY`` (a copy; anything that is not a dict as it is)."""
+    if not isinstance(config_groups, dict):
+        return config_groups
+    return {name: ({k: v for k, v in group.items() if k != STOCK_GUARD_KEY} if isinstance(group, dict) else group)
+            for name, group in config_groups.items()}
 
 
 def transform_config(model: nn.Module, randomized: Optional[bool] = None) -> Optional[dict]:
@@ -125,4 +155,4 @@ def attach_from_config(model: nn.Module, config: Optional[dict], where: str, dev
     return attached
 
 
-__all__ = ["attach_from_config", "transform_config"]
+__all__ = ["STOCK_GUARD_KEY", "attach_from_config", "guard_stock_loaders", "transform_config", "without_guard"]

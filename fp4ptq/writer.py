@@ -121,6 +121,7 @@ def compressed_tensors_config(model: nn.Module) -> dict:
     online = transforms.transform_config(model)  # issue 43: online rotations, compressed-tensors' keys
     if online is not None:
         config["transform_config"] = online
+        transforms.guard_stock_loaders(config)   # stock transformers would drop them: make it refuse
     return config
 
 

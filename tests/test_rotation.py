@@ -1,6 +1,8 @@
 """Block-Hadamard rotations: the float model's function is unchanged, online rotations round-trip."""
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -98,6 +100,9 @@ def test_rotated_checkpoint_round_trips_with_its_transform_config(tmp_path, sche
     assert scheme_.type == "random-hadamard" and scheme_.head_dim == 32
     assert scheme_.apply[0].targets == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert scheme_.apply[0].location == "input"
+    from fp4ptq.transforms import STOCK_GUARD_KEY   # stock transformers refuses it (the test below)
+
+    assert all(STOCK_GUARD_KEY in group for group in qcfg["config_groups"].values())
     loaded = fp4ptq.load(tmp_path / "ckpt", device="cpu", dtype=torch.float32)
     assert not loaded.config.tie_word_embeddings
     assert torch.equal(rotation.online_transform(loaded.model.layers[1].mlp.down_proj).weight,
@@ -113,6 +118,21 @@ def test_rotated_checkpoint_round_trips_with_its_transform_config(tmp_path, sche
         assert rotation.online_transform(hf_loaded.model.layers[0].mlp.down_proj) is not None
         with torch.no_grad():
             assert torch.allclose(hf_loaded(ids).logits, before, atol=1e-5, rtol=1e-5)
+        from transformers import CompressedTensorsConfig
+
+        from fp4ptq import hf
+        from fp4ptq.checkpoint import CheckpointError
+
+        # transformers' own quantizer would drop the rotations: dequantize=True is refused, not run
+        with pytest.raises(CheckpointError, match="online rotations .*dequantize=True was asked"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", quantization_config=CompressedTensorsConfig(
+                dequantize=True))
+        with hf.stock_compressed_tensors(), pytest.raises(ValueError, match=STOCK_GUARD_KEY):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")   # transformers alone refuses it
+        hf_loaded.save_pretrained(tmp_path / "resaved")   # keeps the rotations and the guard
+        resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())["quantization_config"]
+        assert resaved["transform_config"] == qcfg["transform_config"]
+        assert resaved["config_groups"]["group_0"][STOCK_GUARD_KEY] == qcfg["config_groups"]["group_0"][STOCK_GUARD_KEY]
 
 
 def test_smoothing_skips_an_online_rotated_input():
@@ -265,3 +285,103 @@ def test_rotated_table_less_model_quantizes_and_round_trips(tmp_path, model_type
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, before, atol=1e-5, rtol=1e-5)
     assert loaded.fp4ptq_info["rotation"]["plan"] == "discovery"
+
+
+# --------------------------------------------------------------------------- #
+# Other loaders (issue 40): stock transformers + compressed-tensors, in a process without fp4ptq
+# --------------------------------------------------------------------------- #
+# For each checkpoint: with a transform_config, stock from_pretrained must refuse it (it would drop the
+# online rotations), and a loader that applies compressed-tensors transforms (the guard dropped,
+# compressed-tensors' own apply_transform_config, then the checkpoint's transform weights) must run it;
+# without one (rotated offline only, or not rotated), stock from_pretrained runs it with default arguments.
+OTHER_LOADERS = textwrap.dedent("""
+    import json, shutil, sys, torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    ids, guard = torch.tensor(json.loads(sys.argv[1])), sys.argv[2]
+    out = {}
+    def logits(model):
+        with torch.no_grad():
+            return model(ids).logits.float().tolist()
+    for path in sys.argv[3:]:
+        config = json.load(open(path + "/config.json"))
+        qcfg = config["quantization_config"]
+        if "transform_config" not in qcfg:
+            out[path] = {"stock": logits(AutoModelForCausalLM.from_pretrained(path))}
+            continue
+        try:
+            AutoModelForCausalLM.from_pretrained(path)
+            out[path] = {"refused": None}
+        except Exception as exc:
+            out[path] = {"refused": type(exc).__name__ + ": " + str(exc)}
+        copy = path + "-ct"
+        shutil.copytree(path, copy)
+        for group in qcfg["config_groups"].values():
+            del group[guard]
+        json.dump(config, open(copy + "/config.json", "w"))
+        model = AutoModelForCausalLM.from_pretrained(copy)
+        apply_transform_config(model, TransformConfig.model_validate(qcfg["transform_config"]))
+        state = {k: v for k, v in load_file(copy + "/model.safetensors").items() if k.endswith("_input.weight")}
+        name = next(iter(state))
+        regenerated = model.get_parameter(name).detach().clone()
+        loaded = model.load_state_dict(state, strict=False)
+        out[path].update(ct=logits(model), unexpected=loaded.unexpected_keys, transforms=sorted(state),
+                         regenerated_is_stored=torch.equal(regenerated, state[name].to(regenerated.dtype)))
+    assert not any(m == "fp4ptq" or m.startswith("fp4ptq.") for m in sys.modules), "fp4ptq was imported"
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_rotated_checkpoints_under_stock_transformers_and_compressed_tensors_transforms(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import fp4ptq
+    from fp4ptq import transforms
+
+    pytest.importorskip("compressed_tensors")
+    recipes = {   # name: (scheme, rotate_random, rotate_online)
+        "online_w4a16": ("w4a16", True, ("mlp.down_proj",)),     # random-hadamard: only the stored matrix is ours
+        "online_w4a4": ("w4a4", False, ("mlp.down_proj",)),      # hadamard: compressed-tensors regenerates it
+        "offline_w4a16": ("w4a16", True, ()),                   # no transform_config: any loader
+        "plain_w4a4": ("w4a4", False, None),                     # not rotated: compressed-tensors' own W4A4 gap
+    }
+    paths = {}
+    for name, (scheme, random, online) in recipes.items():
+        rotate = dict(rotate=32, rotate_random=random, rotate_online=online) if online is not None else {}
+        config = fp4ptq.QuantConfig(method="rtn", four_six="mse", scheme=scheme, nsamples=4, seqlen=32, **rotate)
+        paths[name] = fp4ptq.save(fp4ptq.quantize(_tiny("llama"), config, _calib(), progress=False), tmp_path / name)
+    ids = _calib(2, 16)
+    env = {**os.environ, "FP4PTQ_TRANSFORMERS_HOOK": "0"}
+    env.pop("PYTHONPATH", None)   # nothing of this worktree on the path: transformers alone
+    run = subprocess.run([sys.executable, "-c", OTHER_LOADERS, json.dumps(ids.tolist()), transforms.STOCK_GUARD_KEY,
+                          *map(str, paths.values())], capture_output=True, text=True, timeout=300, env=env, cwd="/")
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.split("RESULT ", 1)[1])
+    expected = {}
+    for name, path in paths.items():
+        with torch.no_grad():
+            expected[name] = fp4ptq.load(path, device="cpu", dtype=torch.bfloat16)(ids).logits.float()
+        got = results[str(path)]
+        if name.startswith("online"):
+            assert got["refused"] and transforms.STOCK_GUARD_KEY in got["refused"], got["refused"]
+            assert got["transforms"] == [f"model.layers.{i}.mlp.down_proj.online_hadamard_input.weight" for i in (0, 1)]
+            assert not got["unexpected"] and got["regenerated_is_stored"] == (name == "online_w4a4")
+    # W4A16: the same dequantized bf16 weights and the same rotation (measured: identical)
+    torch.testing.assert_close(torch.tensor(results[str(paths["online_w4a16"])]["ct"]), expected["online_w4a16"],
+                               rtol=0.02, atol=0.02)
+    torch.testing.assert_close(torch.tensor(results[str(paths["offline_w4a16"])]["stock"]), expected["offline_w4a16"],
+                               rtol=0.02, atol=0.02)
+
+    # W4A4: compressed-tensors rounds the dequantized activations to bf16 where fp4ptq keeps exact products
+    # (tests/test_robust.py): the rotated checkpoint may differ from fp4ptq.load by about as much as an
+    # unrotated one does, with the same greedy tokens (measured: 0.109 rotated, 0.098 unrotated)
+    def gap(name, key):
+        theirs, ours = torch.tensor(results[str(paths[name])][key]), expected[name]
+        assert torch.equal(theirs.argmax(-1), ours.argmax(-1)), name
+        return ((theirs - ours).abs().mean() / ours.abs().mean()).item()
+
+    assert gap("online_w4a4", "ct") < 1.5 * gap("plain_w4a4", "stock") + 0.01
