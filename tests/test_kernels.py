@@ -61,7 +61,7 @@ def fp32_kernel(tk, monkeypatch):
     """The fp32-compare quantize kernel for every dtype (the 16-bit one has its own tests below): it
     takes bf16 / fp16 where the 16-bit kernel's PTX does not run (before sm_90 for bf16)."""
     qk, _ = tk
-    monkeypatch.setattr(qk, "QUANT16", False)
+    monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: False)
     return tk
 
 

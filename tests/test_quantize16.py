@@ -229,7 +229,6 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
     (packed bf16 set / add are sm_90 PTX); never on ROCm or the CPU outside the interpreter; the
     fp32-compare kernel takes those inputs instead."""
     monkeypatch.setattr(qk, "INTERPRET", False)
-    monkeypatch.setattr(qk, "INT_COUNT", False)
     cuda = torch.device("cuda", 0)
     caps = {"cap": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps["cap"])
@@ -244,9 +243,6 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
     assert not qk.quant16_supported(cuda, torch.float16) and not qk.quant16_supported(cuda, torch.bfloat16)
     caps["cap"] = (10, 0)
     assert qk.quant16_supported(cuda, torch.bfloat16) and qk._asm_kind(cuda, torch.bfloat16) == 1
-    monkeypatch.setattr(qk, "INT_COUNT", True)  # FP4PTQ_QUANT16_INT_COUNT=1: integer compares on sm_90 too
-    caps["cap"] = (9, 0)
-    assert qk._asm_kind(cuda, torch.bfloat16) == 2 and qk._asm_kind(cuda, torch.float16) == 1
     monkeypatch.setattr(qk, "INTERPRET", True)
     assert qk._asm_kind(cuda, torch.bfloat16) == 0
     monkeypatch.setattr(qk, "INTERPRET", False)
@@ -255,27 +251,19 @@ def test_the_16_bit_kernel_runs_only_where_its_ptx_does(monkeypatch):
     assert not qk.quant16_supported(torch.device("cpu"), torch.bfloat16)
 
 
-def test_table_rule_follows_the_h200_measurements(monkeypatch):
+def test_table_rule_follows_the_h200_measurements():
     """Codes take the per-program table from 32768 tiles (64M elements) on, from 8192 under Four Over
-    Six, the scaled W4A4 operand never; ``FORCE_TABLE`` forces either way."""
-    monkeypatch.setattr(qk, "FORCE_TABLE", None)
+    Six, the scaled W4A4 operand never."""
     assert not qk._use_table(16384, "packed") and not qk._use_table(32767, "packed")
     assert qk._use_table(32768, "packed") and qk._use_table(1 << 20, "packed")
     assert not qk._use_table(1 << 20, "scaled")
     assert qk._use_table(8192, "packed", "mse") and not qk._use_table(8191, "packed", "mae")
     assert not qk._use_table(1 << 20, "scaled", "mse")
-    monkeypatch.setattr(qk, "FORCE_TABLE", True)
-    assert qk._use_table(1, "scaled")
-    monkeypatch.setattr(qk, "FORCE_TABLE", False)
-    assert not qk._use_table(1 << 20, "packed")
 
 
-def test_table_layout_rule(monkeypatch):
+def test_table_layout_rule():
     """Word-major for the standard codes, row-major under Four Over Six (the H200's faster of each)."""
-    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     assert qk._word_major(None) and not qk._word_major("mse") and not qk._word_major("max")
-    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", True)
-    assert qk._word_major("mse")
 
 
 def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
@@ -293,8 +281,6 @@ def test_one_or_two_rows_take_the_fp32_compare_kernel(monkeypatch):
     monkeypatch.setattr(qk, "_quantize16_kernel", Recorder("16-bit"))
     monkeypatch.setattr(qk, "_quantize_kernel", Recorder("fp32"))
     monkeypatch.setattr(qk, "quant16_supported", lambda device, dtype: True)
-    monkeypatch.setattr(qk, "FORCE_TABLE", None)
-    monkeypatch.setattr(qk, "FORCE_WORD_MAJOR", None)
     amax = torch.tensor(1.0)
     for rows in (1, 2, 3, 16):
         qk.launch_quantize(torch.zeros(rows, 4096, dtype=torch.bfloat16), amax)

@@ -201,19 +201,9 @@ def _tile(m: int, k: int) -> tuple[int, int, int]:
     return block_m, blocks_k, 4
 
 
-# For sweeps (benchmarks/quant16_h200.py): a fixed 16-bit tile (bm, bk, warps), programs per SM, table use
-# and table layout; None (the default) leaves each to its rule below.
-FORCE_TILE16: Optional[tuple] = None
-FORCE_PER_SM: Optional[int] = None
-FORCE_TABLE: Optional[bool] = None
-FORCE_WORD_MAJOR: Optional[bool] = None
-
-
 def _tile16(m: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCKS_K, num_warps) of the 16-bit kernel's tile: a thread holds one block of 16
-    elements, 128 blocks a tile (``FORCE_TILE16 = (bm, bk, warps)`` overrides, for sweeps)."""
-    if FORCE_TILE16:
-        return FORCE_TILE16
+    elements, 128 blocks a tile."""
     blocks_k = min(128, next_pow2(max(1, k // 16)))
     block_m = max(1, min(next_pow2(m), 128 // blocks_k))
     return block_m, blocks_k, 4
@@ -223,14 +213,11 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
     """Persistent grid size: about ``tiles_each`` tiles a program (each program first builds its own
     table, which costs about as much as a few tiles), between 2 and ``max_per_sm`` programs per SM (8 and
     8 for codes; 4 and 16 for the scaled W4A4 operand, whose stores are four times the bytes: H200 sweeps
-    in benchmarks/NOTES.md);
-    ``FORCE_PER_SM`` fixes the programs per SM, for sweeps. Under the interpreter 64, which
-    only sets how many tiles a program loops over."""
+    in benchmarks/NOTES.md). Under the interpreter 64, which only sets how many tiles a program
+    loops over."""
     if device.type != "cuda":
         return min(n_tiles, 64)
     sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    if FORCE_PER_SM:
-        return min(n_tiles, FORCE_PER_SM * sms)
     return min(n_tiles, max(2 * sms, min(max_per_sm * sms, n_tiles // tiles_each)))
 
 
@@ -243,14 +230,12 @@ def _programs(device: torch.device, n_tiles: int, max_per_sm: int = 8, tiles_eac
 # (mse) 1024 x 4096 12.8 / 14.3, 8192 x 4096 66.9 / 61.0, 8192 x 28672 434.8 / 382.6; the scaled W4A4
 # operand ahead per block at every size (8192 x 28672 249.3 / 261.8). fp16 (quant16_h200_table_fp16.json,
 # the row-a-thread table then) alike. So codes take the table from 32768 tiles (64M elements), from 8192
-# under Four Over Six; the scaled operand never. ``FORCE_TABLE`` (True / False) forces one, for sweeps.
+# under Four Over Six; the scaled operand never.
 QUANT16_TABLE_MIN_TILES = 32768
 QUANT16_TABLE_MIN_TILES_FOUR_SIX = 8192
 
 
 def _use_table(n_tiles: int, emit: str, four_six: Optional[str] = None) -> bool:
-    if FORCE_TABLE is not None:
-        return FORCE_TABLE
     least = QUANT16_TABLE_MIN_TILES_FOUR_SIX if four_six else QUANT16_TABLE_MIN_TILES
     return emit == "packed" and n_tiles >= least
 
@@ -259,9 +244,7 @@ def _word_major(four_six: Optional[str]) -> bool:
     """The table's layout: word-major ([word][code]) for the standard codes, row-major under Four Over
     Six (H200, 3 interleaved rounds, results/quant16_h200_table_wordmajor.json, us, row / word-major:
     codes 8192 x 14336 96.4 / 90.8 = 78% of copy, 8192 x 28672 185.6 / 179.9; mse 195.3 / 200.8 and
-    383.1 / 391.9). ``FORCE_WORD_MAJOR`` (True / False) forces one, for sweeps."""
-    if FORCE_WORD_MAJOR is not None:
-        return FORCE_WORD_MAJOR
+    383.1 / 391.9)."""
     return four_six is None
 
 
@@ -273,9 +256,6 @@ def _word_major(four_six: Optional[str]) -> bool:
 QUANT16_MIN_ROWS = 3
 
 
-# The 16-bit kernel is used for bf16 / fp16 inputs unless QUANT16 is False (the fp32-compare kernel
-# then takes every dtype; kept selectable for comparisons).
-QUANT16 = True
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -290,17 +270,13 @@ def quant16_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
 
 
-# INT_COUNT = True counts with integer compares on sm_90 as well (for comparisons on the H200)
-INT_COUNT = False
-
-
 def _asm_kind(device: torch.device, dtype: torch.dtype) -> int:
     """The 16-bit kernel's ``ASM``: 0 its Triton twin (the interpreter), 1 packed float compares, 2 the
     integer compares of ``_count_int_asm`` (bf16 below sm_90, which has no packed bf16 ``set``/``add``)."""
     if INTERPRET:
         return 0
     below_sm90 = device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) < (9, 0)
-    if dtype == torch.bfloat16 and (INT_COUNT or below_sm90):
+    if dtype == torch.bfloat16 and below_sm90:
         return 2
     return 1
 
@@ -359,7 +335,7 @@ def launch_quantize(
 
 def _takes_quant16(x: torch.Tensor, emit: str, out_dtype: Optional[torch.dtype]) -> bool:
     """Whether ``launch_quantize`` gives ``x`` to the 16-bit kernel (see there)."""
-    return (QUANT16 and x.shape[0] >= QUANT16_MIN_ROWS and x.shape[1] > 0
+    return (x.shape[0] >= QUANT16_MIN_ROWS and x.shape[1] > 0
             and x.dtype in (torch.bfloat16, torch.float16)
             and (emit == "packed" or out_dtype in (None, x.dtype)) and quant16_supported(x.device, x.dtype))
 
