@@ -593,9 +593,10 @@ def test_gemv_built_for_the_layers_k_gives_the_same_bits(tk, monkeypatch, kernel
     x = _activations(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
     amax = x.float().abs().amax()
+    const_kb = gv._const_kb
     got, got4 = [], []
-    for const in (False, True):
-        monkeypatch.setattr(gv, "GEMV_CONST_K", const)
+    for const in (False, True):  # the run-time K build (as for N not whole row tiles), then the rule's
+        monkeypatch.setattr(gv, "_const_kb", const_kb if const else (lambda n_, k_, rows: 0))
         assert gv._const_kb(n, k, cfg[0]) == (k // 16 if const else 0)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         got.append(gm.linear_w4a16(x, wq, bias, path="gemv6", out=out))
@@ -663,11 +664,10 @@ def test_gemv6_prefetches_on_large_and_narrow_layers(tk):
 
 
 @interpreted
-def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkeypatch):
+def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk):
     """The three-operation decode where K is whole segments of 2048 or more, not on layers of 64M
     weights and more whose K is split (70B down: 2% slower there in two H200 runs) nor where the
-    last segment is masked or segments are short (3-5% slower on the layers timed); the knob turns
-    it off everywhere."""
+    last segment is masked or segments are short (3-5% slower on the layers timed)."""
     _, gm = tk
     assert gv._gemv6_muldec(28672, 4096) and gv._gemv6_muldec(57344, 8192)   # 8B / 70B gate_up
     assert gv._gemv6_muldec(4096, 14336) and gv._gemv6_muldec(6144, 4096)    # 8B down, 8B qkv
@@ -675,8 +675,6 @@ def test_gemv6_decodes_with_the_multiply_except_on_large_split_layers(tk, monkey
     assert not gv._gemv6_muldec(8192, 28672)                                 # 70B down: 7 segments
     assert not gv._gemv6_muldec(4096, 11008) and not gv._gemv6_muldec(4608, 3584)  # masked last segment
     assert not gv._gemv6_muldec(576, 1536)                                   # SmolLM2 down: 512-K segments
-    monkeypatch.setattr(gv, "GEMV6_MULDEC", False)
-    assert not gv._gemv6_muldec(28672, 4096)
 
 
 @interpreted
@@ -741,10 +739,8 @@ def test_gemv6_grid_is_cut_to_whole_waves(tk, monkeypatch):
     wq = _weight(40, 64, seed=3)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     ref = x.float() @ wq.dequantize(torch.float32).T
-    for whole, programs in ((True, 12), (False, 16)):  # 8 per SM -> two waves of 3 -> 6 per SM
-        monkeypatch.setattr(gv, "GEMV6_WHOLE_WAVES", whole)
-        assert _rel(gm.linear_w4a16(x, wq, path="gemv6"), ref) < 1e-2
-        assert grids[-1] == (programs, 1, 1)
+    assert _rel(gm.linear_w4a16(x, wq, path="gemv6"), ref) < 1e-2
+    assert grids[-1] == (12, 1, 1)  # 8 per SM -> two waves of 3 -> 6 per SM
 
 
 def _pow2_scaled_weight(n, k, seed, global_enc=3.0):

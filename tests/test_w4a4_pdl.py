@@ -318,16 +318,12 @@ def test_gemv6_loads_its_first_tile_before_waiting_and_x_after(prefetch):
 
 def test_gemv6_pairing_takes_the_small_gemv6_layers_and_follows_its_knob(monkeypatch):
     monkeypatch.setattr(cm, "w4a4_pdl", lambda device: True)
-    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", True)
     cuda = torch.device("cuda", 0)
     assert gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)  # 8B qkv: gemv6 (measured 4% faster paired)
     assert gv.w4a4_pairs_gemv(2, 4096, 4096, cuda)  # 8B o at M = 2
     assert not gv.w4a4_pairs_gemv(1, 28672, 4096, cuda)  # 8B gate_up: 64M weights and more (level)
     assert not gv.w4a4_pairs_gemv(1, 57344, 8192, cuda)  # 70B gate_up (1% slower paired)
     assert not gv.w4a4_pairs_gemv(1, 4096, 14336, cuda)  # 8B down streams x through gemv7: not paired
-    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", False)  # FP4PTQ_W4A4_PDL_GEMV=0
-    assert not gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)
-    monkeypatch.setattr(gv, "W4A4_PDL_GEMV", True)
     monkeypatch.setattr(cm, "w4a4_pdl", lambda device: False)  # FP4PTQ_W4A4_PDL=0, or no PDL on the GPU
     assert not gv.w4a4_pairs_gemv(1, 6144, 4096, cuda)
 

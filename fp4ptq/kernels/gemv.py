@@ -106,11 +106,11 @@ def _gemv6_muldec(n: int, k: int) -> bool:
     Llama-2-7B down and Qwen2-7B qkv (masked last segments) and SmolLM2 down
     (512-K segments); Qwen2-7B gate_up (masked) was 4.7% faster, Qwen2-7B o / down
     level. Those exceptions keep the shifts; why the multiply loses there is not
-    known. ``GEMV6_MULDEC`` = False turns it off everywhere."""
+    known."""
     large = n * k >= 1 << 26
     seg = _gemv6_segment(k, 8192 if large else 4096)
     whole = k % seg == 0 and seg & (seg - 1) == 0  # no masked blocks (EVEN_K)
-    return GEMV6_MULDEC and whole and seg >= 2048 and not (large and k > seg)
+    return whole and seg >= 2048 and not (large and k > seg)
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,25 +172,16 @@ def _resident_programs(args, grid, kwargs, device: torch.device, kernel) -> Opti
 
 def _whole_wave_programs(kernel, args, grid, kwargs, device: torch.device, per_sm: int) -> int:
     """``per_sm`` programs an SM, cut to whole waves of what the compiled ``kernel``
-    fits on one (``GEMV6_WHOLE_WAVES``; the persistent GEMVs)."""
+    fits on one (the persistent GEMVs)."""
     sms = _common._sm_count(device)
-    if GEMV6_WHOLE_WAVES:
-        fit = _resident_programs(args, grid, kwargs, device, kernel)
-        if fit is not None and per_sm > fit:
-            return (per_sm // fit) * fit * sms  # whole waves only
+    fit = _resident_programs(args, grid, kwargs, device, kernel)
+    if fit is not None and per_sm > fit:
+        return (per_sm // fit) * fit * sms  # whole waves only
     return per_sm * sms
-
-
-# gemv6 grids are cut to whole waves of resident programs (off: the configured programs per SM as given)
-GEMV6_WHOLE_WAVES = True
 
 
 # the streamed-x GEMV (gemv7) in the gemv6 path: "auto" where measured faster, "1" everywhere, "0" never
 GEMV7 = "auto"
-
-
-# the three-operation decode of a code pair (``_pair_mul``); False keeps the four-operation one
-GEMV6_MULDEC = True
 
 
 def _gemv7_config(m: int, n: int, k: int):
@@ -245,22 +236,18 @@ def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     kb = k // 16
     args = (x2, words.view(torch.int64), sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, ROWS=rows, KC=kc, EVEN_K=kb % kc == 0,
-                  ALIGNED=k % 256 == 0, EMULATE=_common.INTERPRET, MULDEC=GEMV6_MULDEC, PREFETCH=prefetch,
+                  ALIGNED=k % 256 == 0, EMULATE=_common.INTERPRET, PREFETCH=prefetch,
                   KB_C=_const_kb(n, k, rows), F16=x2.dtype == torch.float16, num_warps=warps)
     programs = _whole_wave_programs(_gemv_stream_kernel, args, (1, m), kwargs, x2.device, per_sm)
     grid = (max(1, min(cdiv(n, rows), programs)), m)
     return _common.Launch(_gemv_stream_kernel, grid, args, slots, kwargs)
 
 
-# gemv6 / gemv7 built for the layer's K (K/16 a compile-time constant) where N is whole row tiles: a thread's
-# rows then sit at constant distances and its loads take immediate offsets (8-10% fewer instructions a
-# step, Triton 3.6 SASS); False: K a runtime argument everywhere (one build for every K)
-GEMV_CONST_K = True
-
-
 def _const_kb(n: int, k: int, rows: int) -> int:
-    """``KB_C`` of gemv6 / gemv7: K/16 where the build may fix it (N a multiple of ``rows``), else 0."""
-    return k // BLOCK_SIZE if GEMV_CONST_K and n % rows == 0 and k % BLOCK_SIZE == 0 else 0
+    """``KB_C`` of gemv6 / gemv7: K/16 where the build may fix it (N a multiple of ``rows``), else 0 (K a
+    run-time argument). With K fixed a thread's rows sit at constant distances and its loads take immediate
+    offsets (8-10% fewer instructions a step, Triton 3.6 SASS)."""
+    return k // BLOCK_SIZE if n % rows == 0 and k % BLOCK_SIZE == 0 else 0
 
 
 def _gemv6_narrow(n: int, k: int) -> bool:
@@ -322,20 +309,16 @@ def _gemv6(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_en
     return _common.dependent_or_plain(run, plain, x2.device, "gemv6 after the quantize launch")
 
 
-# W4A4 at M = 1-2: the resident-x GEMV (gemv6) as the quantize launch's programmatic dependent, its first
-# row tile's weights loaded before the wait (``w4a4_pairs_gemv``; False launches it plainly).
-W4A4_PDL_GEMV = True
-
-
 def w4a4_pairs_gemv(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether W4A4's gemv6 launch for M rows of an [N, K] weight is the programmatic dependent of its
-    quantize launch: ``W4A4_PDL_GEMV`` and ``w4a4_pdl``, on layers under 64M weights (gemv6's
+    quantize launch (its first row tile's weights loaded before the wait): where ``w4a4_pdl``, on layers
+    under 64M weights (gemv6's
     small-layer configs), not where the streamed-x GEMV (gemv7) runs. H200, session 25
     (results/w4a4_pdl_h200_v7.json, plain -> dependent, us): M = 1 8B qkv 8.89 -> 8.55, 8B o 7.71 ->
     7.31, Qwen2-7B o 7.48 -> 7.08, Phi-3-mini o (K split) 7.55 -> 7.27, fp16 + mse + bias 8B qkv 9.54 ->
     8.90; M = 2 8B qkv 12.57 -> 11.99, 8B o 10.48 -> 9.88; on the 64M-weight configs level or slower
     (8B gate_up 23.30 -> 23.19, 70B gate_up 72.64 -> 73.51), so those stay plain."""
-    return W4A4_PDL_GEMV and n * k < 1 << 26 and _common.w4a4_pdl(device) and _gemv7_config(m, n, k) is None
+    return n * k < 1 << 26 and _common.w4a4_pdl(device) and _gemv7_config(m, n, k) is None
 
 
 def gemv4(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc):

@@ -475,7 +475,7 @@ def _gemv_stream_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     ROWS: tl.constexpr, KC: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
-    EMULATE: tl.constexpr, MULDEC: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
+    EMULATE: tl.constexpr, PREFETCH: tl.constexpr, KB_C: tl.constexpr = 0,
     F16: tl.constexpr = False,
 ):
     # GEMV v7, for long K. gemv6 keeps x resident, so a K that does not fit in a
@@ -535,7 +535,7 @@ def _gemv_stream_kernel(
             p00, p01, p02, p03 = _x_pairs_stream(xw, bidx, b_ok, 0, EMULATE)
             p10, p11, p12, p13 = _x_pairs_stream(xw, bidx, b_ok, 1, EMULATE)
         part = _block_products(cur, p00[:, None], p01[:, None], p02[:, None], p03[:, None], p10[:, None], p11[:, None],
-                               p12[:, None], p13[:, None], EMULATE, MULDEC, F16)
+                               p12[:, None], p13[:, None], EMULATE, True, F16)
         if F16:
             acc += _scaled_block_sums(part, csb, F16) * xf[:, None]
         else:
