@@ -125,9 +125,9 @@ def test_other_kernels_of_the_dispatch_compile_for_sm80(monkeypatch, dtype):
     gemm_types = {"x_ptr": dt, "w_ptr": "*i64", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
                   "bias_ptr": dt, "y_ptr": dt}
     for m in (16, 64):
-        bm, bn, bk, group, warps, stages, *rest = gm._gemm_config(m, 4096, 4096)
+        bm, bn, bk, group, warps, stages = gm._gemm_config(m, 4096, 4096)
         ce = dict(HAS_BIAS=True, HAS_XENC=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, EVEN_K=True,
-                  BF16_DIRECT=dtype == torch.bfloat16, DOT_FP32=False, SWAP_AB=bool(rest and rest[0]))
+                  BF16_DIRECT=dtype == torch.bfloat16, DOT_FP32=False)
         _build(gm._gemm_kernel, gemm_types, ce, arch=80, num_warps=warps, num_stages=stages)
         if m == 16:  # (the config of M <= 16)
             _build(gm._gemm_kernel, gemm_types, ce, arch=75, num_warps=warps, num_stages=stages)

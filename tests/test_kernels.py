@@ -841,19 +841,6 @@ def test_dot_scaled_is_used_only_where_it_self_tested(monkeypatch):
 
 
 @interpreted
-def test_small_m_gemm_swap_ab_variant(tk, monkeypatch):
-    """The swapped-operand tiling (y^T = W x^T) computes the same product."""
-    _, gm = tk
-    monkeypatch.setattr(gm, "_gemm_config", lambda m, n, k: (16, 32, 64, 1, 4, 2, 1))
-    m, n, k = 5, 45, 208
-    wq = _weight(n, k, seed=9)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9)).to(torch.float16)
-    out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    y = gm.linear_w4a16(x, wq, path="gemm", out=out)
-    assert _rel(y, x.float() @ wq.dequantize(torch.float32).T) < 1e-2
-
-
-@interpreted
 @pytest.mark.parametrize("four_six", [None, "mse"])
 @pytest.mark.parametrize("path,m", [("gemv4", 2), ("gemv6", 2), ("gemm", 19),
                                     ("cublas", 6)])

@@ -37,10 +37,8 @@ def _gemm_kernel(
     M, N, K, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_XENC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, BF16_DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    # SWAP_AB (small M): accumulate y^T = W x^T so the decoded weight tile is
-    # the MMA's A operand (registers) and the activations the small B operand.
     pid = tl.program_id(0)
     grid_m = (M + BLOCK_M - 1) // BLOCK_M
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -62,10 +60,7 @@ def _gemm_kernel(
     ak = tl.arange(0, BLOCK_K)
     aw = tl.arange(0, BLOCK_K // 8)
     ab = tl.arange(0, BLOCK_K // 16)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + m_ld[:, None] * stride_xm + (k0 + ak)[None, :])
@@ -82,12 +77,7 @@ def _gemm_kernel(
         if DOT_FP32:  # Triton interpreter: its bf16 dot multiplies the raw uint16 patterns
             x = x.to(tl.float32)
             wt = wt.to(tl.float32)
-        if SWAP_AB:
-            acc = tl.dot(wt, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(wt), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        acc = tl.dot(x, tl.trans(wt), acc)
     if BF16_DIRECT:
         y = _output_scale(acc, wenc_ptr, xenc_ptr, 67108864.0, HAS_XENC)  # 2^26
     else:
@@ -295,14 +285,13 @@ def _matmul(x2: torch.Tensor, weight: NVFP4Tensor, bias, x_enc=None, *, path: Op
         return gemv.gemv4(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc)
     if path != "gemm":
         raise ValueError(f"unknown GEMM path {path!r}")
-    bm, bn, bk, group, warps, stages, *rest = _gemm_config(m, n, k)
-    swap = bool(rest and rest[0])
+    bm, bn, bk, group, warps, stages = _gemm_config(m, n, k)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     _gemm_kernel[grid](
         x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, x2.stride(0), y.stride(0),
         HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
         EVEN_K=k % bk == 0, BF16_DIRECT=BF16_DIRECT and x2.dtype == torch.bfloat16,
-        DOT_FP32=_common.INTERPRET and x2.dtype == torch.bfloat16, SWAP_AB=swap,
+        DOT_FP32=_common.INTERPRET and x2.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages,
     )
     return y
