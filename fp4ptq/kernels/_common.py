@@ -70,9 +70,9 @@ while launch hooks (profilers) are installed.
 Where the compiled kernel needs no scratch buffers, the replay calls the C launcher itself, past
 the Python wrapper that would otherwise expand every TMA descriptor argument on each call
 (``make_tensordesc_arg``: about 3 us each on the H200 host): fixed descriptors (a weight's) are
-expanded once at capture, per-call ones once per address, shape and strides (a few kept).
-``C_LAUNCH = False`` keeps the replay on Triton's Python launcher (measured on the H200: 8-12 us more
-a call at 512 rows, ``benchmarks/prefill_host_h200.py``).
+expanded once at capture, per-call ones once per address, shape and strides (a few kept); Triton's
+Python launcher took 8-12 us more a call at 512 rows on the H200 (``benchmarks/prefill_host_h200.py``).
+Where the C launcher cannot be found (``_c_launcher``), the replay goes through that Python launcher.
 
 The replay uses Triton's launcher interface of the versions it was checked on (``FAST_VERSIONS``);
 on others, under the interpreter, or with ``FAST_LAUNCH = "0"``, every call is Triton's own
@@ -117,8 +117,6 @@ def next_pow2(n: int) -> int:
 
 FAST_VERSIONS = ("3.6.",)
 FAST_LAUNCH = "auto"  # "auto": the checked Triton versions; "1" always, "0" never (Triton's own launch)
-# replays call the C launcher itself where they can (False: through Triton's Python launcher, as before)
-C_LAUNCH = True
 
 
 def fast_launch_enabled() -> bool:
@@ -252,7 +250,7 @@ class Launch:
         flattened as the Python wrapper would (descriptors expanded), and where each slot goes."""
         run, function, metadata, _, _, tail = self._direct
         values = list(args) + list(tail)
-        c = _c_launcher(run, len(values)) if C_LAUNCH else None
+        c = _c_launcher(run, len(values))
         if c is None:
             return None
         launch, coop, pdl, descs, expand = c

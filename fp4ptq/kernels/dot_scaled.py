@@ -45,8 +45,6 @@ from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from ._common import _output_scale, cdiv
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# "auto": on compute capability >= 10 after the self-test; "0": never
-MODE = "auto"  # "0" keeps the path off
 FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -192,8 +190,6 @@ def _self_test(device: torch.device, fmt: str) -> Optional[str]:
 def ready(device: torch.device, fmt: str) -> Optional[str]:
     """None when the FP4 tensor-core path can run ``fmt`` activations on
     ``device`` (compiled and self-tested once); otherwise why not."""
-    if MODE == "0":
-        return "turned off (dot_scaled.MODE = \"0\")"
     if device.type != "cuda":
         return f"the input is on {device}"
     key = (device.index if device.index is not None else torch.cuda.current_device(), fmt)
