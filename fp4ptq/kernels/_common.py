@@ -442,6 +442,41 @@ def _output_scale(y, wenc_ptr, xenc_ptr, POW2: tl.constexpr, HAS_XENC: tl.conste
     return y * _output_factor(wenc_ptr, xenc_ptr, POW2, HAS_XENC)
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, wenc_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                    OUT_BF16: tl.constexpr):
+    # the dequantize kernel of gemm.py's dequantize + cuBLAS path and, per expert, of grouped_dequant.py's
+    # out[n, k] = dtype(fp32(v) * (fp32(scale) / global_enc)), exactly as the reference.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    kb = K // 16
+    ok = (n < N)[:, None] & (blk < kb)[None, :]
+    n64 = n.to(tl.int64)
+    widx = tl.program_id(1) * BLOCK_B * 2 + tl.arange(0, BLOCK_B * 2)
+    words = tl.load(w_ptr + n64[:, None] * (K // 8) + widx[None, :], mask=(n < N)[:, None] & (widx < K // 8)[None, :],
+                    other=0)
+    sb = tl.load(s_ptr + n64[:, None] * kb + blk[None, :], mask=ok, other=0)
+    step = tl.math.div_rn(scale_fp32(sb) * 256.0, tl.load(wenc_ptr) + tl.zeros((BLOCK_N, BLOCK_B), tl.float32))
+    w3 = tl.reshape(words, (BLOCK_N, BLOCK_B, 2))
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word(w3, tl.float16)
+    st = step[:, :, None] * 16384.0  # also undoes the fp16 placement (exact)
+    full = _assemble(e0.to(tl.float32) * st, e1.to(tl.float32) * st, e2.to(tl.float32) * st,
+                     e3.to(tl.float32) * st, e4.to(tl.float32) * st, e5.to(tl.float32) * st,
+                     e6.to(tl.float32) * st, e7.to(tl.float32) * st)
+    vals = tl.reshape(full, (BLOCK_N, BLOCK_B * 16))
+    k = tl.program_id(1) * BLOCK_B * 16 + tl.arange(0, BLOCK_B * 16)
+    optr = out_ptr + n64[:, None] * K + k[None, :]
+    omask = (n < N)[:, None] & (k < K)[None, :]
+    if OUT_BF16:
+        # fp32 -> bf16 round-half-even on the bit pattern (exact everywhere,
+        # also under the Triton interpreter whose bf16 cast truncates)
+        bits = vals.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(optr, bits.to(tl.int16), mask=omask)
+    else:
+        tl.store(optr, vals.to(out_ptr.dtype.element_ty), mask=omask)
+
+
 # --------------------------------------------------------------------------- #
 # Split K and programmatic dependent launches
 # --------------------------------------------------------------------------- #

@@ -11,7 +11,7 @@ the sorted rows by their experts' weights. Workspace: the decoded weight, E * N 
 w13: 805 MB; Mixtral-8x7B w13: 1.88 GB), freed to torch's caching allocator after the call.
 
 Numerics: each weight is decoded as ``nvfp4.py`` dequantizes it (``fp32(v) * (fp32(scale) / global_enc)``
-rounded once to the activation dtype; the kernel body is ``gemm._dequant_kernel``'s), which is what the
+rounded once to the activation dtype; the kernel body is ``_common._dequant_kernel``'s), which is what the
 reference (``grouped_linear_reference``) multiplies by: the output equals the reference up to the grouped
 GEMM's fp32 summation order (a bias is added after, in the activation dtype).
 
@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _capability, cdiv
-from .gemm import _dequant_kernel
+from ._common import _capability, _dequant_kernel, cdiv
 
 # From the H200 sweep (``benchmarks/bench_moe_h200.py --sweep``, ``results/moe_sweep_h200.json``): dequantize
 # + torch._grouped_mm beat the grouped kernel only on 128-row tiles (4096 tokens: Qwen3-30B-A3B w13 / w2
@@ -46,7 +45,7 @@ def takes_dequant(x: torch.Tensor, routing, weight) -> bool:
 @triton.jit
 def _dequant_experts_kernel(w_ptr, s_ptr, wenc_ptr, offsets_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
                             BLOCK_B: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Expert ``program_id(2)``'s ``[N, K]`` slice of ``gemm._dequant_kernel``'s work, or nothing where
+    """Expert ``program_id(2)``'s ``[N, K]`` slice of ``_common._dequant_kernel``'s work, or nothing where
     the expert has no pairs (its output slice is left as it was)."""
     e = tl.program_id(2)
     if tl.load(offsets_ptr + e + 1) == tl.load(offsets_ptr + e):
