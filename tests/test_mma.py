@@ -24,7 +24,7 @@ from compile_target import compile_for  # noqa: E402
 from ptx_emulator import (_halves, _prmt, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           sample_words_and_scales)
 from fp4ptq.kernels import gemm  # noqa: E402
-from fp4ptq.kernels import _common as cm, dispatch as dp  # noqa: E402
+from fp4ptq.kernels import _common as cm, _gluon, dispatch as dp  # noqa: E402
 
 
 def _u32(v: torch.Tensor) -> torch.Tensor:
@@ -42,13 +42,13 @@ def test_decode_bit_moves_give_every_code_times_its_scale(fmt):
     ``scale``) it is ``v * scale * 2^-26`` / ``v * scale * 2^-14``, exactly: every
     code, under normal, subnormal and the largest E4M3 scales."""
     shifts, mag_mask, dtype, place, s_pow, out_pow = {
-        "bf16": (mma.DECODE_SHIFTS, mma.MAG_MASK, torch.bfloat16, 2.0**126, 2.0**100, 2.0**-26),
-        "fp16": (mma.DECODE_SHIFTS_F16, mma.MAG_MASK_F16, torch.float16, 2.0**14, 1.0, 2.0**-14)}[fmt]
+        "bf16": (_gluon.DECODE_SHIFTS, _gluon.MAG_MASK, torch.bfloat16, 2.0**126, 2.0**100, 2.0**-26),
+        "fp16": (_gluon.DECODE_SHIFTS_F16, _gluon.MAG_MASK_F16, torch.float16, 2.0**14, 1.0, 2.0**-14)}[fmt]
     words, ref, scale = sample_words_and_scales()
     s_op = (scale * s_pow).to(dtype).double()
     assert torch.equal(s_op, scale * s_pow)  # the scale operand is exact
     for p, (mag, sign) in enumerate(shifts):
-        r = (_shl(words, mag) & mag_mask) | (_shl(words, sign) & mma.SIGN_MASK)
+        r = (_shl(words, mag) & mag_mask) | (_shl(words, sign) & _gluon.SIGN_MASK)
         lo, hi = _halves(r, dtype)
         assert torch.equal(lo * place, ref[:, p]) and torch.equal(hi * place, ref[:, p + 4]), p
         prod = (lo * s_op).to(dtype).double()  # mul.rn on the pair: exact, so no rounding to model
@@ -66,14 +66,14 @@ def test_activation_pairing_matches_the_decode_order():
     assert mma._PAIR_X.value.count("prmt.b32") == 4
 
 
-@pytest.mark.parametrize("asm,shifts,mul,tail", [("_DECODE", "DECODE_SHIFTS", "fma.rn.bf16x2", ", z"),
-                                                  ("_DECODE_F16", "DECODE_SHIFTS_F16", "mul.rn.f16x2", "")])
-def test_decode_asm_is_generated_from_the_shift_table(asm, shifts, mul, tail):
-    """bf16's product is an fma with the -0 pair ``z`` (PTX from sm_80), fp16's a mul."""
-    text = getattr(mma, asm).value
+@pytest.mark.parametrize("fmt,mul,tail", [("bf16", "fma.rn.bf16x2", ", z"), ("fp16", "mul.rn.f16x2", "")])
+def test_decode_asm_is_generated_from_the_shift_table(fmt, mul, tail):
+    """bf16's product is an fma with the -0 pair ``z`` (PTX from sm_80), fp16's a mul. (bf16's shift
+    decode is the reference that the kernel's multiply decode is checked against.)"""
+    text = mma._decode_asm() if fmt == "bf16" else mma._DECODE_F16.value
     assert text.count(mul) == 4
     assert ("mov.b32 z, 0x80008000;" in text) == bool(tail)
-    for p, (mag, sign) in enumerate(getattr(mma, shifts)):
+    for p, (mag, sign) in enumerate(_gluon.DECODE_SHIFTS if fmt == "bf16" else _gluon.DECODE_SHIFTS_F16):
         assert f"{mul} ${p}, a, $12{tail};" in text
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 

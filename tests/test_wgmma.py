@@ -24,7 +24,7 @@ pytest.importorskip("triton.experimental.gluon")
 wgmma = pytest.importorskip("fp4ptq.kernels.wgmma")
 from compile_target import compile_for  # noqa: E402
 from ptx_emulator import assert_same_registers, bf16_scale_pair, multiply_decode_words, sample_words_and_scales  # noqa: E402
-from fp4ptq.kernels import mma  # noqa: E402
+from fp4ptq.kernels import _gluon  # noqa: E402
 from fp4ptq.kernels import dispatch as dp  # noqa: E402
 
 
@@ -34,9 +34,9 @@ def _u32(v: torch.Tensor) -> torch.Tensor:
 
 def _decode_reg(word: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mma.py's bf16 decode of register p (codes p, p + 4) as the two halves' values."""
-    mag, sign = mma.DECODE_SHIFTS[p]
+    mag, sign = _gluon.DECODE_SHIFTS[p]
     shl = (lambda v, a: _u32(v << a) if a >= 0 else v >> -a)
-    r = (shl(word, mag) & mma.MAG_MASK) | (shl(word, sign) & mma.SIGN_MASK)
+    r = (shl(word, mag) & _gluon.MAG_MASK) | (shl(word, sign) & _gluon.SIGN_MASK)
     halves = []
     for part in (r & 0xFFFF, r >> 16):
         bits = torch.where(part >= 32768, part - 65536, part).to(torch.int16)
@@ -97,8 +97,8 @@ def test_weight_operand_feeds_each_logical_k_the_right_code(bk):
 def test_decode_asm_reads_each_rows_word_and_scale():
     """Pack order (h, row + 8, r0): $0/$2 from row g's word $4 and scale $12,
     $1/$3 from row g + 8's word $6 and scale $13, shifts of register r0."""
-    for asm, shifts, mul in ((wgmma._DECODE.value, mma.DECODE_SHIFTS, "mul.rn.bf16x2"),
-                             (wgmma._DECODE_F16.value, mma.DECODE_SHIFTS_F16, "mul.rn.f16x2")):
+    for asm, shifts, mul in ((wgmma._decode_asm(), _gluon.DECODE_SHIFTS, "mul.rn.bf16x2"),
+                             (wgmma._DECODE_F16.value, _gluon.DECODE_SHIFTS_F16, "mul.rn.f16x2")):
         lines = [ln for ln in asm.splitlines() if mul in ln]
         assert len(lines) == 4
         for q, line in enumerate(lines):
@@ -246,8 +246,8 @@ def test_product_check_compares_with_the_reference_decode():
         return y.copy_(x.float() @ w.dequantize(torch.float32).T)
 
     cases = ((5, 24, 64, torch.bfloat16), (3, 16, 128, torch.float16))
-    assert wgmma.product_check(reference, cases, torch.device("cpu")) is None
-    msg = wgmma.product_check(lambda *a: a[-1].zero_(), cases, torch.device("cpu"))
+    assert _gluon.product_check(reference, cases, torch.device("cpu")) is None
+    msg = _gluon.product_check(lambda *a: a[-1].zero_(), cases, torch.device("cpu"))
     assert msg.startswith("self-test error 1.00e+00 at M=5, N=24, K=64")
 
 

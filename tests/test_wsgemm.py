@@ -20,7 +20,7 @@ from fp4ptq import nvfp4
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 ws = pytest.importorskip("fp4ptq.kernels.wsgemm")
-from fp4ptq.kernels import gemm, mma  # noqa: E402
+from fp4ptq.kernels import _gluon, gemm  # noqa: E402
 from compile_target import compile_for  # noqa: E402
 from ptx_emulator import (_halves, assert_same_registers, multiply_decode_inputs,  # noqa: E402
                           run_ptx_regs, sample_words_and_scales)
@@ -54,9 +54,9 @@ def test_multiply_decoder_ptx_gives_the_shift_decoders_bits():
 
 
 def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
-    text = ws._DECODE.value
+    text = ws.decode_asm()
     assert text.count("mul.rn.bf16x2") == 4 and text.count("prmt.b32") == 4
-    for p, (mag, _sign) in enumerate(mma.DECODE_SHIFTS):
+    for p, (mag, _sign) in enumerate(_gluon.DECODE_SHIFTS):
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 

@@ -57,9 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._common import Launch, cdiv
-from .mma import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
-                  _index, _layouts, _sync, decide_once, decode_line, decode_mul_line, product_check, run_once, sm90_reason,
-                  stop_using, store_output)
+from ._gluon import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
+                     _index, _layouts, _sync, decide_once, decode_line, decode_mul_line, product_check, run_once,
+                     sm90_reason, stop_using, store_output)
 
 
 def _decode_asm(shifts=DECODE_SHIFTS, mag_mask=MAG_MASK, mul="mul.rn.bf16x2") -> str:

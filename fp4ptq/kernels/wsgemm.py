@@ -81,8 +81,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ._common import Launch, cdiv
-from .mma import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
-                  decide_once, decode_line, decode_mul_lines, product_check, sm90_reason, stop_using)
+from ._gluon import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
+                     decide_once, decode_line, decode_mul_lines, product_check, sm90_reason, stop_using)
 
 # the four decoded registers (codes (p, p + 4) in register p) -> natural pairs (0, 1), (2, 3), (4, 5), (6, 7):
 # prmt 0x5410 takes both low halves, 0x7632 both high halves (first operand in the low half)
