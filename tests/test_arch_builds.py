@@ -180,8 +180,7 @@ def test_streamed_x_pairs_are_x_times_2_to_64_exactly(asm):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("muldec", [False, True])
-def test_mma_kernel_compiles_for_sm80(dtype, muldec):
+def test_mma_kernel_compiles_for_sm80(dtype):
     """mma.py (M = 3..64, and M = 2 on large layers) for sm_80 with bf16 activations too: its bf16
     decode's scale product is ``fma.rn.bf16x2`` with a -0 addend, no ``mul.rn.bf16x2`` (sm_90 PTX, with
     which bf16 had to take the tiled GEMM below sm_90); fp16 as before. The two configs of its rule."""
@@ -191,7 +190,7 @@ def test_mma_kernel_compiles_for_sm80(dtype, muldec):
     dt = POINTER[dtype]
     for cfg in (dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=True),
                 dict(BN=64, BM=64, BK=64, WARPS=2, STAGES=3, SPLIT=False, HAS_BIAS=True, HAS_XENC=False)):
-        ce = dict(cfg, MUL=muldec)
+        ce = dict(cfg)
         ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
         types = {"x_ptr": dt, "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
                  "bias_ptr": dt, "y_ptr": "*fp32" if cfg["SPLIT"] else dt}

@@ -80,38 +80,33 @@ def test_decode_asm_is_generated_from_the_shift_table(fmt, mul, tail):
 
 def test_multiply_decode_gives_the_shift_decodes_bits():
     """_DECODE_MUL (three integer operations a register, one shift a word) writes the same four
-    registers as _DECODE for every pair of codes each register holds, under every sampled scale."""
+    registers as the shift decode for every pair of codes each register holds, under every sampled scale."""
     inputs = multiply_decode_inputs(seed=2)
-    assert_same_registers(mma._DECODE.value, mma._DECODE_MUL.value, inputs)
+    assert_same_registers(mma._decode_asm(), mma._DECODE_MUL.value, inputs)
     text = mma._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("fma.rn.bf16x2") == 4 and text.count("shr.u32") == 1
     assert "shl.b32" not in text and text.count("and.b32") == 8 and "mul.rn.bf16x2" not in text
 
 
-@pytest.mark.parametrize("muldec", [False, True])
-def test_fma_product_gives_the_mul_products_bits(muldec):
-    """mma.py's bf16 decodes take the scale product as ``fma.rn.bf16x2`` with a -0 addend (sm_80 PTX):
+def test_fma_product_gives_the_mul_products_bits():
+    """mma.py's bf16 decode takes the scale product as ``fma.rn.bf16x2`` with a -0 addend (sm_80 PTX):
     the same registers as with ``mul.rn.bf16x2`` (sm_90 PTX, which wgmma.py and wsgemm.py keep), zeros'
     signs included, for every pair of codes under every sampled scale."""
     inputs = multiply_decode_inputs(seed=3)
-    if muldec:
-        assert_same_registers(mma._decode_mul_asm("mul.rn.bf16x2"), mma._DECODE_MUL.value, inputs)
-    else:
-        assert_same_registers(mma._decode_asm(mul="mul.rn.bf16x2"), mma._DECODE.value, inputs)
+    assert_same_registers(mma._decode_mul_asm("mul.rn.bf16x2"), mma._DECODE_MUL.value, inputs)
 
 
-@pytest.mark.parametrize("mul", [False, True])
-def test_multiply_decode_build_compiles_for_sm90(mul):
-    """The MUL build (bf16) puts the multiply decode in the loop in place of the shifts, with no
-    local memory; SASS counts of both builds are in benchmarks/NOTES.md (twenty-seventh pass)."""
-    cfg = dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=False, MUL=mul)
+def test_multiply_decode_build_compiles_for_sm90():
+    """The bf16 build puts the multiply decode in the loop (not the shifts), with no local memory;
+    SASS counts of it and of the shift build it replaced are in benchmarks/NOTES.md (twenty-seventh pass)."""
+    cfg = dict(BN=128, BM=16, BK=128, WARPS=4, STAGES=3, SPLIT=True, HAS_BIAS=False, HAS_XENC=False)
     ce = dict(cfg)
     ce.update(zip(("WL", "SL", "XL", "SC", "XC"), mma._layouts(128, 16, 128, 4)))
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
              "bias_ptr": "*bf16", "y_ptr": "*fp32"}
     ptx = compile_for(mma._mma_kernel, types, ce, gluon=True, num_warps=4).asm["ptx"]
-    assert ("mul.lo.u32 a, a, 0x1040" in ptx) == mul and ("and.b32 a, a, 0x81c081c0" in ptx) == mul
-    assert ("or.b32 a, a, b" in ptx) != mul  # the shift decode joins its magnitude and sign moves
+    assert "mul.lo.u32 a, a, 0x1040" in ptx and "and.b32 a, a, 0x81c081c0" in ptx
+    assert "or.b32 a, a, b" not in ptx  # (the shift decode joins its magnitude and sign moves)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -329,25 +324,3 @@ def test_gpus_that_cannot_run_it_are_refused_once_with_the_reason(monkeypatch):
     assert "sm_80" in mma.ready(torch.device("cuda", 0)) and not calls  # decided once for cuda:0
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     assert "ROCm" in mma.ready(torch.device("cuda", 1)) and not calls
-
-
-def test_launches_take_the_multiply_decode_for_bf16_unless_turned_off(monkeypatch):
-    """The launch asks for the MUL build with bf16 activations (fp16 keeps the shifts: no multiply twin),
-    and FP4PTQ_MMA_MULDEC=0 (``mma.MULDEC``) turns it off; likewise in wgmma.py and wsgemm.py."""
-    from fp4ptq.kernels import wgmma, wsgemm
-
-    seen = []
-
-    class Recorder:
-        def __init__(self, kernel, grid, args, slots, kwargs):
-            seen.append(kwargs["MUL"])
-
-    words, sbits = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 256, dtype=torch.uint8)
-    for mod, m in ((mma, 16), (wgmma, 128), (wsgemm, 1024)):
-        monkeypatch.setattr(mod, "Launch", Recorder)
-        for flag in (True, False):
-            monkeypatch.setattr(mod, "MULDEC", flag)
-            for dt in (torch.bfloat16, torch.float16):
-                x, y = torch.zeros(m, 4096, dtype=dt), torch.empty(m, 4096, dtype=dt)
-                mod.launches(x, words, sbits, torch.ones(1), None, None, y)
-                assert seen.pop() == (flag and dt == torch.bfloat16), (mod.__name__, flag, dt)

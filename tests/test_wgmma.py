@@ -111,17 +111,17 @@ def test_decode_asm_reads_each_rows_word_and_scale():
 
 def test_multiply_decode_gives_the_shift_decodes_bits():
     """_DECODE_MUL (mma.py's multiply decode, three integer operations a register) writes the same
-    four registers as _DECODE, rows g and g + 8 from their own words and scales."""
+    four registers as the shift decode (``_decode_asm()``), rows g and g + 8 from their own words and scales."""
     words = multiply_decode_words()
     other = words.roll(1)
     pair = bf16_scale_pair(sample_words_and_scales(len(words), seed=3)[2])
     inputs = {**{f"${4 + i}": (words if i % 2 == 0 else other) for i in range(8)}, "$12": pair, "$13": pair.roll(5)}
-    assert_same_registers(wgmma._DECODE.value, wgmma._DECODE_MUL.value, inputs)
+    assert_same_registers(wgmma._decode_asm(), wgmma._DECODE_MUL.value, inputs)
     assert wgmma._DECODE_MUL.value.count("mul.lo.u32") == 4 and "shr" not in wgmma._DECODE_MUL.value
 
 
 def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
-    ce = dict(cfg, FENCE=True)
+    ce = dict(cfg)
     ce.setdefault("HAS_XENC", False)
     ce.update(zip(("WL", "SL", "XL", "SC"), wgmma._layouts_wg(cfg["BN"], cfg["BM"], cfg["BK"], cfg["WARPS"])))
     types = {"x_ptr": f"*{dt}", "w_ptr": "*i32", "s_ptr": "*u8", "wenc_ptr": "*fp32", "xenc_ptr": "*fp32",
@@ -138,7 +138,7 @@ def _compile(cfg: dict, dt: str = "bf16", maxnreg: int = 0):
     (dict(BN=128, BM=256, BK=64, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=True), "bf16"),
     (dict(BN=64, BM=128, BK=64, WARPS=4, STAGES=2, WAIT=1, SPLIT=False, HAS_BIAS=True), "fp16"),
     (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=False, HAS_BIAS=False, HAS_XENC=True), "bf16"),
-    (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=True, HAS_BIAS=False, MUL=True), "bf16"),
+    (dict(BN=128, BM=64, BK=128, WARPS=8, STAGES=3, WAIT=0, SPLIT=True, HAS_BIAS=False), "bf16"),
 ])
 def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
     """The kernel builds for the H200's sm_90: an asynchronous wgmma m64nBMk16 with the
@@ -153,7 +153,7 @@ def test_kernel_compiles_for_sm90_with_register_a_wgmma(cfg, dt):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg['BM']}k16\.f32\.{ty}\.{ty}", ptx)
     assert "cp.async" in ptx and "wgmma.wait_group" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert ("mul.lo.u32 a, a, 0x1040" in ptx) == cfg.get("MUL", False)  # the multiply decode (bf16)
+    assert ("mul.lo.u32 a, a, 0x1040" in ptx) == (dt == "bf16")  # the multiply decode (bf16)
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (57344, 8192),

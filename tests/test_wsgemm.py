@@ -32,7 +32,7 @@ def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
     """Output register q holds codes (2q, 2q + 1) of the word as ``v * scale * 2^-26`` (bf16) or
     ``v * scale * 2^-14`` (fp16), exactly: the order of the activations' K, which come by TMA."""
     asm, dtype, s_pow, out_pow = {
-        "bf16": (ws._DECODE.value, torch.bfloat16, 2.0**100, 2.0**-26),
+        "bf16": (ws._DECODE_MUL.value, torch.bfloat16, 2.0**100, 2.0**-26),
         "fp16": (ws._DECODE_F16.value, torch.float16, 1.0, 2.0**-14)}[fmt]
     words, ref, scale = sample_words_and_scales()
     s16 = (scale * s_pow).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
@@ -45,10 +45,10 @@ def test_decoder_ptx_gives_codes_times_scale_in_natural_order(fmt):
 
 
 def test_multiply_decoder_ptx_gives_the_shift_decoders_bits():
-    """_DECODE_MUL (the decoder with mma.py's multiply decode) writes the same four natural-order
-    pairs as _DECODE for every pair of codes a register decodes."""
+    """_DECODE_MUL (the decoder with the multiply decode) writes the same four natural-order pairs as
+    the shift decoder (``decode_asm()``) for every pair of codes a register decodes."""
     inputs = multiply_decode_inputs(seed=4)
-    assert_same_registers(ws._DECODE.value, ws._DECODE_MUL.value, inputs)
+    assert_same_registers(ws.decode_asm(), ws._DECODE_MUL.value, inputs)
     text = ws._DECODE_MUL.value
     assert text.count("mul.lo.u32") == 4 and text.count("prmt.b32") == 4 and text.count("mul.rn.bf16x2") == 4
 
@@ -60,7 +60,7 @@ def test_decoder_ptx_is_mmas_shifts_plus_four_prmt():
         assert (f"shl.b32 a, $4, {mag};" if mag > 0 else f"shr.u32 a, $4, {-mag};") in text
 
 
-def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False, mul=False):
+def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=False, swap=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -75,7 +75,7 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
                                        gl.NVMMASharedLayout.get_default_for([bn, 16], gl.uint8))
     warps = ws.consumer_warps(bm, bn)
     ce = dict(HAS_BIAS=bias, HAS_XENC=xenc, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs, WARPS=warps,
-              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap, MUL=mul)
+              DEC_WARPS=dw, DEC_REGS=dr, SUM_SPLITS=2 if summers else 0, SWAP=swap)
     types = {"x_desc": mangle_type(x_d), "w_desc": mangle_type(w_d), "s_desc": mangle_type(s_d),
              "wenc_ptr": "*fp32", "xenc_ptr": "*fp32", "bias_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
              "count_ptr": "*i32", "sum_ptr": "*i32"}
@@ -85,9 +85,9 @@ def _compile(cfg=ws.DEFAULT_CONFIG, dt="bf16", bias=False, xenc=False, summers=F
 
 @pytest.mark.parametrize("cfg,swap", [(ws.DEFAULT_CONFIG, True), (ws.SMALL_M_CONFIG, False), (ws.WIDE_M_CONFIG, False)])
 def test_multiply_decoder_build_compiles_for_sm90(cfg, swap):
-    """The decoder with the multiply decode (``MUL``, bf16) builds for sm_90 on the 256-, 128- and wide
+    """The decoder with the multiply decode (bf16) builds for sm_90 on the 256-, 128- and wide
     tiles: the multiply and its mask in place of the shifts, no local memory."""
-    ptx = _compile(cfg, "bf16", swap=swap, mul=True).asm["ptx"]
+    ptx = _compile(cfg, "bf16", swap=swap).asm["ptx"]
     assert "mul.lo.u32 a, a, 0x1040" in ptx and "and.b32 a, a, 0x81c081c0" in ptx and "or.b32 a, a, b" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -340,14 +340,11 @@ def test_swapped_operands_compile_to_one_wide_mma_a_k16(dt, bias, xenc, summers)
     assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", plain) == ["m64n128k16"] * 8
 
 
-def test_swap_rule_and_refusal(monkeypatch):
-    """Swapped only where the tile has more activation rows than weight rows (256 x 128) and the knob is
-    on; a swapped tile needs 16 weight rows a consumer warp, refused with the reason otherwise."""
-    monkeypatch.setattr(ws, "SWAP_AB", True)
+def test_swap_rule_and_refusal():
+    """Swapped only where the tile has more activation rows than weight rows (256 x 128); a swapped tile
+    needs 16 weight rows a consumer warp, refused with the reason otherwise."""
     assert ws.swapped(ws.DEFAULT_CONFIG)
     assert not ws.swapped(ws.SMALL_M_CONFIG) and not ws.swapped(ws.TINY_M_CONFIG)
-    monkeypatch.setattr(ws, "SWAP_AB", False)
-    assert not ws.swapped(ws.DEFAULT_CONFIG)
     x = torch.empty(256, 4096, dtype=torch.bfloat16)
     words = torch.empty(4096, 512, dtype=torch.int32)
     sbits = torch.empty(4096, 256, dtype=torch.uint8)

@@ -81,12 +81,9 @@ def _decode_mul_asm() -> str:
     return "\n".join(["{", ".reg .b32 a;", *lines, "}"])
 
 
-# The bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts; H200 (results/muldec_tc_h200.json):
-# 2-10% faster at M = 96 / 128 on all ten rows (8B k 11.09 -> 10.80 us, Qwen2-7B qkv 29.8 -> 27.1).
-# MULDEC = False: the shift decode.
-MULDEC = True
-
-_DECODE = gl.constexpr(_decode_asm())
+# The bf16 decode by multiply (_gluon.decode_mul_line), bit-equal to the shifts (``_decode_asm()``, which the
+# tests hold it against); H200 (results/muldec_tc_h200.json): 2-10% faster at M = 96 / 128 on all ten rows
+# (8B k 11.09 -> 10.80 us, Qwen2-7B qkv 29.8 -> 27.1). fp16 decodes by the shifts.
 _DECODE_MUL = gl.constexpr(_decode_mul_asm())
 _DECODE_F16 = gl.constexpr(_decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 
@@ -139,8 +136,7 @@ def _spread(v):
 
 
 @gluon.jit
-def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr,
-               MUL: gl.constexpr = False):
+def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F16: gl.constexpr):
     """One step's words ``[BN, BK/8]`` and scale bytes ``[BN, BK/16]`` -> the
     decoded, scaled weight ``[BN, BK]`` in the wgmma A layout (logical K)."""
     S: gl.constexpr = BK // 32
@@ -162,10 +158,8 @@ def _a_operand(wp, sb, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, F1
     sc = gl.convert_layout(gl.reshape(sc, [BN, BK]), a_l, assert_trivial=True)
     if F16:
         a = gl.inline_asm_elementwise(_DECODE_F16, _DECODE_CONSTRAINTS, [w, sc], gl.float16, True, 8)
-    elif MUL:
-        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     else:
-        a = gl.inline_asm_elementwise(_DECODE, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
+        a = gl.inline_asm_elementwise(_DECODE_MUL, _DECODE_CONSTRAINTS, [w, sc], gl.bfloat16, True, 8)
     return a
 
 
@@ -183,7 +177,7 @@ def _b_store(xr, b_smem, BM: gl.constexpr, BK: gl.constexpr):
 def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off, sc_off, x_off,
           k_lo, k_last, a_l: gl.constexpr, F16: gl.constexpr, STAGES: gl.constexpr,
           BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
-          XL: gl.constexpr, WAIT: gl.constexpr, FENCE: gl.constexpr, MUL: gl.constexpr):
+          XL: gl.constexpr, WAIT: gl.constexpr):
     """K step ``i``: decode its weight, issue its wgmma (B buffer ``i % 3``, stored
     during step ``i - 1``), store step ``i + 1``'s activations into buffer
     ``(i + 1) % 3`` while the wgmma runs, then wait until only this step's
@@ -196,14 +190,13 @@ def _step(i, acc, a_prev, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
     slot = i % STAGES
     wp = w_ring.index(slot).load(WL)
     sb = s_ring.index(slot).load(SL)
-    a = _a_operand(wp, sb, a_l, BN, BK, F16, MUL)
+    a = _a_operand(wp, sb, a_l, BN, BK, F16)
     tok = warpgroup_mma(a, b_buf.index(i % 3), acc, is_async=True)
     _b_store(xr, b_buf.index((i + 1) % 3), BM, BK)
     # the proxy fence compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S: the MEMBAR may wait for this
     # thread's outstanding memory operations, so the next loads are issued after it (v2 issued them
-    # before). FENCE = False only measures what the fence costs (the result is then not guaranteed)
-    if FENCE:
-        fence_async_shared()
+    # before)
+    fence_async_shared()
     nxt = (i + STAGES - 1) % STAGES
     kc = gl.multiple_of(gl.minimum(k_lo + (i + STAGES - 1) * BK, k_last), BK)  # past the end: a reload
     _copy(w_ring.index(nxt), w_ptr + kc // 8 + w_off)
@@ -222,8 +215,8 @@ def _wgmma_kernel(
     x_ptr, w_ptr, s_ptr, wenc_ptr, xenc_ptr, bias_ptr, y_ptr,
     M, N, KW8, KB4, stride_x8, stride_ym, K_SPLIT,
     HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr,
-    FENCE: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
-    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr, MUL: gl.constexpr = False,
+    BN: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, WARPS: gl.constexpr,
+    WL: gl.constexpr, SL: gl.constexpr, XL: gl.constexpr, SC: gl.constexpr,
 ):
     KW = KW8 * 8  # words a row (K / 8)
     KB = KB4 * 4  # scale bytes a row (K / 16)
@@ -270,10 +263,10 @@ def _wgmma_kernel(
     for j in range((k_hi - k_lo) // (2 * BK)):
         acc, a0, xr = _step(2 * j, acc, a1, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
                             sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
-                            WL, SL, XL, WAIT, FENCE, MUL)
+                            WL, SL, XL, WAIT)
         acc, a1, xr = _step(2 * j + 1, acc, a0, xr, w_ring, s_ring, b_buf, w_ptr, s_ptr, x_ptr, w_off,
                             sc_off, x_off, k_lo, k_last, a_l, F16, STAGES, BN, BM, BK,
-                            WL, SL, XL, WAIT, FENCE, MUL)
+                            WL, SL, XL, WAIT)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
@@ -342,7 +335,6 @@ def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
 
 
 _LAYOUTS: dict = {}
-_FENCE = True  # benchmarks/wgmma_h200.py (WG_DIAG=1) turns it off to time the proxy fence; never in use
 
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
@@ -386,8 +378,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         (x2, words, sbits, enc, x_enc.reshape(1) if x_enc is not None else enc, bias if has_bias else enc, target,
          m, n, k // 64, k // 64, x2.stride(0) // 8, y.stride(0), ks), slots,
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, SPLIT=splits > 1, STAGES=int(stages), WAIT=int(wait),
-             FENCE=_FENCE, BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc,
-             MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps,
+             BN=bn, BM=bm, BK=bk, WARPS=warps, WL=wl, SL=sl, XL=xl, SC=sc, num_warps=warps,
              **({"maxnreg": int(maxnreg)} if maxnreg else {})))
     return split_run(launch, splits, y, bias)
 
@@ -415,4 +406,4 @@ def disable(device: torch.device, reason: str) -> None:
 
 
 __all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "launches", "logical_to_actual", "matmul", "preferred",
-           "product_check", "ready", "supports"]
+           "ready", "supports"]

@@ -112,7 +112,13 @@ else:  # pragma: no cover - the H200's Triton 3.6
         tma.async_copy_global_to_shared(desc, coord, bar, smem)
 
 
-_DECODE = gl.constexpr(decode_asm())
+# The decoder's bf16 decode by multiply (_gluon.decode_mul_line), bit-equal to the shifts (``decode_asm()``, which
+# the tests hold it against); fp16 by the shifts. 2 fewer operations a word (about 6% of the decoder's step) made
+# whole steps faster, so the decoder's work sets their pace (how is not settled: taking the TMA copies and 4
+# barriers off its step instead measured +-6%, results/wsgemm_consumer_loads_h200.json). H200
+# (results/muldec_tc_h200.json, 3 interleaved rounds): 17 of 18 rows 1.6-11% faster (M = 128: 8B gate_up 73.3 ->
+# 65.1 us, 70B gate_up 276 -> 251; M = 1024: 8B qkv 91.9 -> 89.1, 8B down 190.6 -> 183.2), 70B gate_up at M = 1024
+# +1.3%.
 _DECODE_MUL = gl.constexpr(decode_asm(muldec=True))
 _DECODE_F16 = gl.constexpr(decode_asm(DECODE_SHIFTS_F16, MAG_MASK_F16, "mul.rn.f16x2"))
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
@@ -155,7 +161,7 @@ def _issue_scales(s_desc, s_ring, s_ready, g, g0, off_n):
 
 
 @gluon.jit
-def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i, MUL: gl.constexpr):
+def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i):
     """Decode one K step: the code words of ring slot ``w_slot`` ``[BN, BK/8]`` times the scale bytes
     ``s_slice`` ``[BN, BK/16]`` into decoded slot ``i % BSTAGES`` (``i`` counts the program's steps), once
     the consumers released it; then one proxy fence and the slot's arrival."""
@@ -181,7 +187,7 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i, MUL: gl.constexpr
         dec = gl.inline_asm_elementwise(_DECODE_F16, _CONSTRAINTS, [w8, sc], gl.float16, True, 8)
     else:
         sc = gl.convert_layout(_spread((s32 * 3.2451855365842673e32).to(gl.bfloat16), 16), dl, assert_trivial=True)
-        dec = gl.inline_asm_elementwise(_DECODE_MUL if MUL else _DECODE, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
+        dec = gl.inline_asm_elementwise(_DECODE_MUL, _CONSTRAINTS, [w8, sc], gl.bfloat16, True, 8)
     b = i % BSTAGES
     mbarrier.wait(b_empty.index(b), ((i // BSTAGES) & 1) ^ 1)
     b_ring.index(b).store(dec)
@@ -193,7 +199,7 @@ def _decode_step(w_slot, s_slice, b_ring, b_ready, b_empty, i, MUL: gl.constexpr
 
 @gluon.jit
 def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty, off_m,
-             off_n, k0, k_steps, MUL: gl.constexpr):
+             off_n, k0, k_steps):
     XSTAGES: gl.constexpr = w_ring.type.shape[0]
     BK: gl.constexpr = w_ring.type.shape[2] * 8
     G: gl.constexpr = 16 // (BK // 16)  # K steps a scale group covers
@@ -215,7 +221,7 @@ def _decoder(x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_r
                 s = i % XSTAGES
                 mbarrier.wait(ready.index(s), (i // XSTAGES) & 1)
                 sb = s_ring.index(g % 2).slice(j * (BK // 16), BK // 16, dim=1)
-                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, i, MUL)
+                _decode_step(w_ring.index(s), sb, b_ring, b_ready, b_empty, i)
                 # step i + XSTAGES - 2 into the slot of step i - 2, whose activations the consumers released
                 # when MMA i - 2 completed, which they wait for after issuing MMA i - 1 (decoded before):
                 # this wait does not hold up the next decode. (Refilling the slot of step i - 1 here, run v3,
@@ -441,8 +447,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                full_tiles, splits, k_chunk, n0, n_parts, count_ptr, sum_ptr, n_summers,
                HAS_BIAS: gl.constexpr, HAS_XENC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, XSTAGES: gl.constexpr, BSTAGES: gl.constexpr, WARPS: gl.constexpr,
-               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False,
-               MUL: gl.constexpr = False):
+               DEC_WARPS: gl.constexpr, DEC_REGS: gl.constexpr, SUM_SPLITS: gl.constexpr, SWAP: gl.constexpr = False):
     # one program an item (``_item``); with SUM_SPLITS (the split count; 0: a second launch sums) the split
     # tiles are summed in this launch
     pid = gl.program_id(0)
@@ -454,7 +459,7 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
     acc = gl.warp_specialize([
         (_consumer, (x_ring, ready, x_empty, b_ring, b_ready, b_empty, ks, BM, BN, XSTAGES, BSTAGES, WARPS, SWAP)),
         (_decoder, (x_desc, w_desc, s_desc, x_ring, w_ring, s_ring, ready, x_empty, s_ready, b_ring, b_ready, b_empty,
-                    off_m, off_n, k0, ks, MUL)),
+                    off_m, off_n, k0, ks)),
     ], [DEC_WARPS], [DEC_REGS])[0]
     _epilogue(acc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part_ptr, M, N, stride_ym, n0, off_m, off_n, part, is_part,
               HAS_BIAS, HAS_XENC, BM, BN, WARPS, SWAP)
@@ -636,8 +641,6 @@ def plan(m: int, n: int, k: int, sms: int = 132, cfg: tuple = DEFAULT_CONFIG) ->
     return full, parts, chunk, nt0, fill
 
 
-# The split tiles summed inside the launch (``summing_plan``): False keeps _common.py's summing launch (comparisons)
-SUMMERS = True
 # bytes a program adds up (fp32 partials read, the output written) in the time of one K step: about 70 GB/s
 # an SM (a guess on the safe side; 8B qkv at M = 1024 left 36 K steps for 5 tiles, and the sums hid in them)
 SUMMER_BYTES_A_STEP = 6e4
@@ -787,21 +790,12 @@ def tma_scales(sbits: torch.Tensor, owner: Optional[torch.Tensor] = None) -> tor
 # six Llama-3.1 layers at M = 256..2048, W4A4 at 1024 / 8192, 3 interleaved rounds): outputs bit-equal to
 # the unswapped build on every row and check; 23 of 29 rows 1-8% faster (8B o at M = 1024 57.7 -> 54.5 us,
 # 8B down at 512 108.9 -> 100.4, W4A4 8B qkv at 8192 779 -> 738), the other 6 within 1.5% either way.
-# SWAP_AB = False keeps the activations as A everywhere.
-SWAP_AB = True
-# The decoder's bf16 decode by multiply (mma.decode_mul_line), bit-equal to the shifts: 2 fewer operations a word
-# (about 6% of the decoder's step) made whole steps faster, so the decoder's work sets their pace (how is not
-# settled: taking the TMA copies and 4 barriers off its step instead measured +-6%,
-# results/wsgemm_consumer_loads_h200.json). H200 (results/muldec_tc_h200.json, 3 interleaved rounds): 17 of 18
-# rows 1.6-11% faster (M = 128: 8B gate_up 73.3 -> 65.1 us, 70B gate_up 276 -> 251; M = 1024: 8B qkv 91.9 -> 89.1,
-# 8B down 190.6 -> 183.2), 70B gate_up at M = 1024 +1.3%. MULDEC = False: the shift decode.
-MULDEC = True
 
 
 def swapped(cfg: tuple) -> bool:
     """Whether a tile runs with its operands swapped: where it has more activation rows than weight
-    rows (only there do the operand reads shrink) and the swap is on."""
-    return SWAP_AB and cfg[0] > cfg[1]
+    rows (only there do the operand reads shrink)."""
+    return cfg[0] > cfg[1]
 
 
 def consumer_warps(bm: int, bn: int) -> int:
@@ -850,7 +844,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
     global scale,) and y: the weight's TMA descriptors are built once, x's for each call. Split tiles
-    are summed in the launch where ``summing_plan`` allows and ``SUMMERS`` is on (tile counters of the
+    are summed in the launch where ``summing_plan`` allows (tile counters of the
     plan's own with ``own_counters``), otherwise by a second launch. Scale rows TMA cannot read where
     they are (K % 256 != 0) come from ``tma_scales``' padded copy, kept with ``scale_owner``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -884,7 +878,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     sms = _sm_count(x2.device)
     full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg) if split else (tiles, 1, k // bk, 0, 1.0)
     n0 = nt0 * bn
-    summing = summing_plan(m, n, k, sms, cfg) if splits > 1 and SUMMERS else None
+    summing = summing_plan(m, n, k, sms, cfg) if splits > 1 else None
     state = _summing_state(x2.device, tiles - full, summing[1], own_counters) if summing else None
     if state is None:
         summing = None
@@ -900,7 +894,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
         tuple(slots) + (7,),
         dict(HAS_BIAS=has_bias, HAS_XENC=x_enc is not None, BM=bm, BN=bn, BK=bk, XSTAGES=xs, BSTAGES=bs,
              WARPS=warps, DEC_WARPS=dec_warps, DEC_REGS=dec_regs, SUM_SPLITS=splits if summing else 0, SWAP=swap,
-             MUL=MULDEC and x2.dtype == torch.bfloat16, num_warps=warps, maxnreg=maxnreg))
+             num_warps=warps, maxnreg=maxnreg))
     finish = split_finish(splits, y[:, n0:], bias[n0:] if has_bias else None) if splits > 1 and not summing else None
 
     def run(x2, *tensors):
@@ -947,5 +941,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["SUMMERS", "SWAP_AB", "WIDE_M_CONFIG", "WIDE_BIG_STEP_COST", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["WIDE_M_CONFIG", "WIDE_BIG_STEP_COST", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
