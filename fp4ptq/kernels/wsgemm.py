@@ -824,22 +824,21 @@ def _smem_layout(rows: int, cols: int, dtype):
 
 def matmul(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
            x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-           cfg: Optional[tuple] = None, split: bool = True, swap: Optional[bool] = None,
+           cfg: Optional[tuple] = None, swap: Optional[bool] = None,
            scale_owner: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [M, N] = x2 [M, K] @ W^T`` (bf16/fp16 x, K % 64 == 0) from the packed
     weight (``words`` int32 [N, K/8], ``sbits`` uint8 [N, K/16], ``enc`` its
     global scale), as ``mma.matmul``; ``x_enc``: the activations' global scale
     (W4A4: ``x2`` is then the exact ``v * scale`` operand of the quantize kernel), or None.
-    ``split``: let ``plan`` cut the last wave's tiles by K (False: whole tiles only, for comparisons);
     ``swap``: the operands swapped (None: ``swapped``; True / False for comparisons); ``scale_owner``: the
     weight's scale tensor that ``sbits`` views (``tma_scales`` keeps a padded copy with it)."""
     x2, sbits = aligned_operands(x2, sbits)
-    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, split, swap=swap, scale_owner=scale_owner)(x2, y)
+    return launches(x2, words, sbits, enc, x_enc, bias, y, cfg, swap=swap, scale_owner=scale_owner)(x2, y)
 
 
 def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: torch.Tensor,
              x_enc: Optional[torch.Tensor], bias: Optional[torch.Tensor], y: torch.Tensor,
-             cfg: Optional[tuple] = None, split: bool = True, slots=(0, 6), own_counters: bool = False,
+             cfg: Optional[tuple] = None, slots=(0, 6), own_counters: bool = False,
              swap: Optional[bool] = None, scale_owner: Optional[torch.Tensor] = None):
     """``matmul``'s launches for operands shaped like these (``aligned_operands`` already), as a
     callable ``run(*tensors) -> y`` taking x, (in a W4A4 plan, ``slots`` (0, 4, 6): the activations'
@@ -876,7 +875,7 @@ def launches(x2: torch.Tensor, words: torch.Tensor, sbits: torch.Tensor, enc: to
     has_bias = bias is not None
     tiles = cdiv(m, bm) * cdiv(n, bn)
     sms = _sm_count(x2.device)
-    full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg) if split else (tiles, 1, k // bk, 0, 1.0)
+    full, splits, chunk, nt0, _ = plan(m, n, k, sms, cfg)
     n0 = nt0 * bn
     summing = summing_plan(m, n, k, sms, cfg) if splits > 1 else None
     state = _summing_state(x2.device, tiles - full, summing[1], own_counters) if summing else None
