@@ -11,7 +11,6 @@ tests call it in-process.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import traceback
 from typing import Optional, Sequence
@@ -27,38 +26,13 @@ from .commands.common import (  # noqa: F401 - re-exported: the exit codes and C
     EXIT_USAGE,
     OUT_ROOT,
     CLIError,
+    _quiet_libraries,
     _recipe_text,
     _say,
 )
 from .commands.evaluate import _parse_tasks, cmd_compare, cmd_eval  # noqa: F401 - _parse_tasks re-exported
 from .commands.inspect_checkpoint import cmd_inspect
 from .commands.quantize import _recipe_slug, cmd_quantize  # noqa: F401 - _recipe_slug re-exported
-
-
-def _quiet_libraries(quiet: bool) -> contextlib.AbstractContextManager:
-    """With ``--quiet``: no progress bars from transformers (weight loading) or datasets."""
-    if not quiet:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    from transformers.utils import logging as hf_logging
-
-    if hf_logging.is_progress_bar_enabled():
-        hf_logging.disable_progress_bar()
-        stack.callback(hf_logging.enable_progress_bar)
-    from .eval.tasks import patched, silent_tqdm
-
-    # transformers' GGUF reader draws its bar with plain tqdm, which disable_progress_bar does not reach
-    stack.enter_context(patched([("transformers.modeling_gguf_pytorch_utils", "tqdm", silent_tqdm())]))
-    try:
-        import datasets
-    except ImportError:
-        return stack
-    if datasets.is_progress_bar_enabled():
-        datasets.disable_progress_bars()
-        stack.callback(datasets.enable_progress_bars)
-    return stack
-
-
 
 # ---------------------------------------------------------------------------- parser
 

@@ -2,6 +2,7 @@
 choice, output directories, model names and recipe labels."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -116,3 +117,26 @@ def _options(config: dict, sep: str) -> str:
         opts.append(f"keep{str(config['keep_budget']).rstrip('%')}")
     return "".join(sep + o for o in opts)
 
+
+def _quiet_libraries(quiet: bool) -> contextlib.AbstractContextManager:
+    """With ``--quiet``: no progress bars from transformers (weight loading) or datasets."""
+    if not quiet:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    from transformers.utils import logging as hf_logging
+
+    if hf_logging.is_progress_bar_enabled():
+        hf_logging.disable_progress_bar()
+        stack.callback(hf_logging.enable_progress_bar)
+    from ..eval.tasks import patched, silent_tqdm
+
+    # transformers' GGUF reader draws its bar with plain tqdm, which disable_progress_bar does not reach
+    stack.enter_context(patched([("transformers.modeling_gguf_pytorch_utils", "tqdm", silent_tqdm())]))
+    try:
+        import datasets
+    except ImportError:
+        return stack
+    if datasets.is_progress_bar_enabled():
+        datasets.disable_progress_bars()
+        stack.callback(datasets.enable_progress_bars)
+    return stack

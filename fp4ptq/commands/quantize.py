@@ -18,6 +18,7 @@ from .common import (
     _model_name,
     _options,
     _prepare_output,
+    _quiet_libraries,
     _recipe_text,
     _say,
 )
@@ -107,7 +108,6 @@ def _quiet_other_ranks(world):
     library progress bars (transformers' weight loading), as with --quiet."""
     import warnings
 
-    from ..cli import _quiet_libraries
 
     with warnings.catch_warnings(), _quiet_libraries(not world.main):
         if not world.main:
