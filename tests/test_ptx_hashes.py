@@ -23,7 +23,7 @@ commit)::
     PYTHONPATH=$PWD python tests/test_ptx_hashes.py --check --all  # print what differs, write nothing
     PYTHONPATH=$PWD python tests/test_ptx_hashes.py                # both files, every build
 
-The file holds every case in bf16 and fp16 for both GPUs (269 builds, 212 distinct compiles, about 7
+The file holds every case in bf16 and fp16 for both GPUs (269 builds, 212 distinct compiles, about 4
 minutes on a loaded 2-core machine); the test compiles the ``REPRESENTATIVE`` part of it, one build of
 every (GPU, kernel, dtype) (70 compiles; CPU and wall time in ``docs/KERNELS.md``; seconds from Triton's
 cache); ``--check --all`` checks everything.
