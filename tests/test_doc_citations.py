@@ -1,6 +1,7 @@
 """The documents and benchmarks/ agree: every result file that README.md or docs/*.md cites exists, every
-file under benchmarks/results/ is cited, every benchmark script they name exists, and every probe that
-benchmarks/HISTORY.md names is gone from the tree and held by the commit it gives.
+file under benchmarks/results/ is cited, every benchmark script they name exists and every script in
+benchmarks/ is named, and every probe that benchmarks/HISTORY.md names is gone from the tree and held by
+the commit it gives.
 
 A citation is a path after ``results/`` (``benchmarks/results/kernels_h200.md``, ``results/x_*.json``,
 ``accuracy_smollm2_h200.{md,png}``, a folder ending in ``/``), or a file name in backticks
@@ -76,6 +77,20 @@ def test_every_named_benchmark_script_exists():
     assert named
     missing = sorted(f"{doc}: benchmarks/{name}" for name, doc in named if not (ROOT / "benchmarks" / name).exists())
     assert not missing, "named but not in benchmarks/ (HISTORY.md keeps the deleted probes): " + ", ".join(missing)
+
+
+def test_every_benchmark_script_is_cited_by_a_document():
+    """The reverse of the check above: each script in benchmarks/ (but the shared harness.py) is named
+    (``benchmarks/NAME.py`` or ``NAME.py``) by README.md, docs/*.md, benchmarks/NOTES.md or HISTORY.md, so
+    that a reader finds what it produces; a script no document names is a probe to delete."""
+    docs = DOCS + [ROOT / "benchmarks" / "NOTES.md", ROOT / "benchmarks" / "HISTORY.md"]
+    text = "\n".join(doc.read_text(encoding="utf-8") for doc in docs if doc.exists())
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "harness.py")
+    assert scripts
+    uncited = [name for name in scripts
+               if not re.search(r"(?<![\w/])(?:benchmarks/)?" + re.escape(name) + r"\b", text)]
+    assert not uncited, ("in benchmarks/ but named by no document (cite it in README.md, docs/, "
+                         "benchmarks/NOTES.md or HISTORY.md, or delete it): " + ", ".join(uncited))
 
 
 def test_history_names_deleted_probes_with_the_commit_that_holds_them():

@@ -943,7 +943,7 @@ def test_dispatch_runs_triton_under_interpreter_and_explains_refusals(tk, monkey
     assert torch.equal(kernels.linear_w4a16(x, wq), torch.nn.functional.linear(x, wq.dequantize(x.dtype)))
     with pytest.raises(BackendUnavailable, match="bf16/fp16"):
         kernels.linear_w4a16(x.float(), wq, backend="triton")
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels._backend, "_interpreting", lambda: False)
     with pytest.raises(BackendUnavailable, match="CUDA"):
         kernels.quantize(x, backend="triton")
     with pytest.raises(ValueError, match="unknown kernel backend"):

@@ -7,17 +7,26 @@ model zoo (``docs/KERNELS.md``) on both GPUs (``tests/data/dispatch_table.json``
 
 The launches are the ones the kernels' own launch builders make for these shapes: each module's
 ``Launch`` (and the directly launched Triton kernels) is replaced by a recorder, the operands are meta
-tensors, and the device facts (SM count, compute capability, self-tests passed) are those of an H200
-(sm_90, 132 SMs) or an A100 (sm_80, 108 SMs).
+tensors (taken as CUDA ones), and the device facts (SM count, compute capability, self-tests passed) are
+those of an H200 (sm_90, 132 SMs) or an A100 (sm_80, 108 SMs). The cases: the dense paths (the GEMVs, the
+fp32 GEMV gemv4, mma.py, wgmma.py, wsgemm.py, the tiled GEMM, the dequantize before cuBLAS, the quantize
+kernels) and MoE layers as ``kernels.moe_experts`` launches them (the routing, the grouped GEMM W4A16 and
+W4A4 with its ``quantize_pairs`` prologue, the SwiGLU gating, the combine, the prefill's dequantized experts).
 
-Regenerate the data (only for an intended change of a kernel or of a rule, and say so in the commit)::
+Triton's PTX changes between its versions: the file records the version it was made with (``"triton"``);
+under another Triton the check is skipped with a message (``.ci/run`` installs the recorded one).
 
-    PYTHONPATH=$PWD python tests/test_ptx_hashes.py                # both files, every build
+Record or regenerate the data (only for an intended change of a kernel or of a rule, and say so in the
+commit)::
+
+    PYTHONPATH=$PWD python tests/test_ptx_hashes.py --add          # new cases only; recorded builds untouched
     PYTHONPATH=$PWD python tests/test_ptx_hashes.py --check --all  # print what differs, write nothing
+    PYTHONPATH=$PWD python tests/test_ptx_hashes.py                # both files, every build
 
-The file holds every case in bf16 and fp16 for both GPUs (129 builds, about 3 minutes to compile); the
-test compiles the ``REPRESENTATIVE`` part of it (about 30 s on a loaded 2-core machine with an empty
-Triton cache, a few seconds from Triton's cache); ``--check --all`` checks everything.
+The file holds every case in bf16 and fp16 for both GPUs (269 builds, 212 distinct compiles, about 4
+minutes on a loaded 2-core machine); the test compiles the ``REPRESENTATIVE`` part of it, one build of
+every (GPU, kernel, dtype) (70 compiles; CPU and wall time in ``docs/KERNELS.md``; seconds from Triton's
+cache); ``--check --all`` checks everything.
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ import torch
 
 DATA = Path(__file__).parent / "data"
 PTX_FILE = DATA / "ptx_hashes.json"
+TRITON_KEY = "triton"  # in PTX_FILE: the Triton version the hashes were made with
 DISPATCH_FILE = DATA / "dispatch_table.json"
 ARCHS = {90: 132, 80: 108}  # compute capability -> SM count (H200, A100)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +74,8 @@ ZOO_MS = (1, 2, 16, 64, 128, 1024)
 def _device(arch: int):
     """The kernels' host code as on a GPU of compute capability ``arch`` // 10 whose Gluon kernels passed
     their self-tests (sm_90-only ones refused below sm_90), with launches recorded instead of run."""
-    from fp4ptq.kernels import _common, dot_scaled, gemm, mma, quantize_kernel, wgmma, wsgemm
+    from fp4ptq.kernels import (_common, dot_scaled, gemm, gemv, grouped, grouped_dequant, mma, quantize_kernel,
+                                routing, wgmma, wsgemm)
 
     mp = pytest.MonkeyPatch()
     cap = divmod(arch, 10)
@@ -87,11 +98,36 @@ def _device(arch: int):
             mp.setattr(module, "Launch", _Recorded)
         for name in ("_gemm_kernel", "_dequant_kernel"):
             mp.setattr(gemm, name, _Direct(getattr(gemm, name)))
+        mp.setattr(gemv, "_gemv_blocks_kernel", _Direct(gemv._gemv_blocks_kernel))
+        # the MoE launches (grouped.py, routing.py, grouped_dequant.py): the meta operands taken as CUDA ones
+        for module in (grouped, routing):
+            mp.setattr(module, "INTERPRET", False)
+            mp.setattr(module, "_kernels_for", lambda x, backend, op: backend != "reference")
+        mp.setattr(grouped, "triton_unavailable_reason", lambda x, op="quantize": None)
+        mp.setattr(grouped, "_sm_count", lambda device: sms)
+        mp.setattr(grouped_dequant, "_capability", lambda device: cap)
+        mp.setattr(grouped_dequant, "takes_dequant", _on_cuda(grouped_dequant.takes_dequant))
+        for module, names in ((grouped, ("_grouped_kernel", "_quantize_pairs_kernel", "_swiglu_kernel",
+                                         "_combine_kernel")),
+                              (routing, ("_route_one_chunk_kernel", "_route_hist_kernel", "_route_scan_kernel",
+                                         "_route_place_kernel")),
+                              (grouped_dequant, ("_dequant_experts_kernel",))):
+            for name in names:
+                mp.setattr(module, name, _Direct(getattr(module, name)))
         mp.setattr(wsgemm, "_summing_state", _meta_summing_state)
         _Recorded.built = []
         yield torch.device("cuda", 0)
     finally:
         mp.undo()
+
+
+def _on_cuda(rule):
+    """``rule(x, ...)`` (``grouped_dequant.takes_dequant``) asked about a CUDA tensor like the meta ``x``."""
+    class OnCuda:
+        def __init__(self, x):
+            self.dtype, self.shape, self.is_cuda, self.device = x.dtype, x.shape, True, torch.device("cuda", 0)
+
+    return lambda x, *args: rule(OnCuda(x), *args)
 
 
 def _meta_summing_state(device, n_split: int, table: tuple, own: bool):
@@ -181,6 +217,42 @@ def _dequant(n, k, dtype):
     gemm.dequantize(_nvfp4_weight(n, k), dtype)
 
 
+def _gemv4(m, n, k, dtype, bias, w4a4):
+    """The fp32 GEMV, where the dispatch takes it (layers of 2^31 blocks and more, K % 64 != 0)."""
+    from fp4ptq.kernels import dispatch, gemm
+
+    assert dispatch.choose(m, dtype, w4a4, k, torch.device("cuda", 0), n) == "gemv4"
+    x, y, b = _operands(m, n, k, dtype, bias)
+    xenc = torch.empty(1, dtype=torch.float32, device=META) if w4a4 else None
+    gemm._matmul(x, _nvfp4_weight(n, k), b, xenc, path="gemv4", out=y)
+
+
+# MoE layers (E experts, top-k, hidden H, expert width I): the benchmark's (benchmarks/bench_moe_h200.py)
+MOE_LAYERS = {"Qwen3-30B-A3B": (128, 8, 2048, 768), "Mixtral-8x7B": (8, 2, 4096, 14336)}
+
+
+def _stacked(e, n, k, w4a4):
+    from fp4ptq.kernels.grouped import StackedWeight
+
+    amax = torch.empty(e, dtype=torch.float32, device=META) if w4a4 else None
+    return StackedWeight(torch.empty(e, n, k // 2, dtype=torch.uint8, device=META),
+                         torch.empty(e, n, k // 16, dtype=torch.float8_e4m3fn, device=META),
+                         torch.empty(e, dtype=torch.float32, device=META), None, amax, "mse" if w4a4 else None)
+
+
+def _moe(model, tokens, dtype, w4a4):
+    """A MoE layer's launches as ``kernels.moe_experts`` makes them (SwiGLU): the routing, w13 (W4A4: after
+    its ``quantize_pairs`` prologue; prefill W4A16 bf16 on sm_90: dequantized experts), the gating, w2 and
+    the weighted combine."""
+    from fp4ptq.kernels import grouped
+
+    e, top, h, inter = MOE_LAYERS[model]
+    hidden = torch.empty(tokens, h, dtype=dtype, device=META)
+    index = torch.empty(tokens, top, dtype=torch.int64, device=META)
+    weights = torch.empty(tokens, top, dtype=dtype, device=META)
+    grouped.moe(hidden, index, weights, _stacked(e, 2 * inter, h, w4a4), _stacked(e, h, inter, w4a4))
+
+
 def _quantize(m, k, dtype, four_six, emit, trigger=False):
     from fp4ptq.kernels import quantize_kernel as qk
 
@@ -224,6 +296,17 @@ def _cases(arch: int) -> dict:
         "quantize16/M8192/packed": lambda dt: _quantize(8192, 28672, dt, None, "packed"),
         "quantize16/M1024/mse": lambda dt: _quantize(1024, 4096, dt, "mse", "packed"),
         "quantize16/M8192/mse": lambda dt: _quantize(8192, 4096, dt, "mse", "packed"),
+        # the fp32 GEMV (path "gemv4"): a 2^31-block layer with K % 64 != 0 (mma.py takes the others)
+        "gemv4/262144x131088/M1": lambda dt: _gemv4(1, 262144, 131088, dt, False, False),
+        "gemv4/262144x131088/M2+bias/w4a4": lambda dt: _gemv4(2, 262144, 131088, dt, True, True),
+        # MoE layers (kernels.moe_experts): decode (16-row tiles, K split where the grid is short: a narrow
+        # tile, fp32 partials summed by the gating and the combine; the routing in one launch), 64-row
+        # tiles, prefill (128-row tiles; the routing in three launches); W4A4 with its prologue
+        "moe/Qwen3-30B-A3B/T1": lambda dt: _moe("Qwen3-30B-A3B", 1, dt, False),
+        "moe/Mixtral-8x7B/T1": lambda dt: _moe("Mixtral-8x7B", 1, dt, False),
+        "moe/Qwen3-30B-A3B/T4096": lambda dt: _moe("Qwen3-30B-A3B", 4096, dt, False),
+        "moe-w4a4/Qwen3-30B-A3B/T1": lambda dt: _moe("Qwen3-30B-A3B", 1, dt, True),
+        "moe-w4a4/Mixtral-8x7B/T256": lambda dt: _moe("Mixtral-8x7B", 256, dt, True),
     }
     if arch >= 90:
         cases.update({
@@ -281,37 +364,102 @@ def normalized(ptx: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+def _ptx_only(*args):
+    """Triton's stage hook: the pipeline ends at the PTX (its cubin stage, ptxas, about a sixth of the compile
+    time, gives an empty binary); called without arguments, the key that keeps these builds apart in
+    Triton's cache."""
+    if not args:
+        return "ptx-only", hashlib.sha256(b"ptx-only").hexdigest()
+    args[1]["cubin"] = lambda src, metadata: b""
+
+
 def _compiled(spec, arch: int) -> str:
     from compile_target import compile_for
+    from triton import knobs
 
     kernel, types, constexprs, divisible, options = spec
     gluon = type(kernel).__name__.startswith("Gluon")
-    ptx = compile_for(kernel, types, constexprs, arch=arch, gluon=gluon, divisible=divisible, **options).asm["ptx"]
-    return hashlib.sha256(normalized(ptx).encode()).hexdigest()
+    hook, knobs.runtime.add_stages_inspection_hook = knobs.runtime.add_stages_inspection_hook, _ptx_only
+    try:
+        built = compile_for(kernel, types, constexprs, arch=arch, gluon=gluon, divisible=divisible, **options)
+    finally:
+        knobs.runtime.add_stages_inspection_hook = hook
+    return hashlib.sha256(normalized(built.asm["ptx"]).encode()).hexdigest()
 
 
-# The builds the test compiles (about 30 s on a loaded 2-core machine with an empty Triton cache): each
-# kernel family once on sm_90 and the sm_80 builds that differ in kind (bf16 arithmetic below sm_90),
-# bf16 and fp16 spread over them. ``python tests/test_ptx_hashes.py --check --all`` compiles every case
-# in both dtypes for both GPUs (129 builds, about 3 minutes): run it for any change of the kernels.
+# The builds the test compiles (``_ci_build``): at least one of every kernel on each GPU in each activation
+# dtype that the record holds, with the grouped MoE kernel's W4A16 and W4A4 builds apart (``_path``; checked
+# by test_the_ci_set_builds_every_path_and_dtype_on_both_gpus), picked for the least compile time. An entry
+# names a case (all its launches) or one build of it. ``python tests/test_ptx_hashes.py --check --all``
+# compiles every case in both dtypes for both GPUs: run it for any change of the kernels.
 REPRESENTATIVE = (
-    "sm_90/gemv/8B.qkv/M1/bf16", "sm_90/gemv/8B.down/M1/fp16", "sm_90/gemv/SmolLM2.down/M1/bf16",
-    "sm_90/gemv/8B.qkv/M1/w4a4-pdl/bf16", "sm_90/mma/8B.qkv/M16/bf16", "sm_90/mma/8B.o/M16/w4a4-pdl/fp16",
-    "sm_90/gemm/M16+bias/w4a4/bf16", "sm_90/dequant/8B.qkv/bf16", "sm_90/quantize/M1/mse/bf16",
-    "sm_90/quantize16/M16/scaled/bf16", "sm_90/quantize16/M8192/mse/fp16", "sm_90/wgmma/8B.o/M128+bias/w4a4/bf16",
-    "sm_90/wsgemm/8B.qkv/M64/fp16", "sm_90/wsgemm/8B.o/M1024+bias/bf16", "sm_80/gemv/8B.down/M1/bf16",
-    "sm_80/mma/8B.qkv/M16/bf16", "sm_80/quantize16/M16/scaled/bf16", "sm_80/gemm/M64/fp16",
+    "sm_80/dequant/8B.qkv/bf16", "sm_80/dequant/8B.qkv/fp16", "sm_80/gemm/M64/bf16", "sm_80/gemm/M64/fp16",
+    "sm_80/gemv/70B.down/M1/bf16", "sm_80/gemv/8B.down/M1/fp16", "sm_80/gemv/8B.qkv/M1/w4a4-pdl/fp16",
+    "sm_80/gemv/SmolLM2.down/M1/bf16/0:_gemv_resident_kernel",
+    "sm_80/gemv/SmolLM2.down/M1/fp16/1:_gemv_split_finish", "sm_80/gemv4/262144x131088/M1/bf16",
+    "sm_80/gemv4/262144x131088/M2+bias/w4a4/fp16", "sm_80/mma/8B.gate_up/M2/bf16/1:_gemv_split_finish",
+    "sm_80/mma/8B.gate_up/M2/fp16/0:_mma_kernel", "sm_80/mma/8B.qkv/M16/bf16/0:_mma_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/bf16/1:_route_scan_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/bf16/5:_swiglu_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/bf16/6:_quantize_pairs_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/bf16/8:_combine_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/fp16/1:_route_scan_kernel",
+    "sm_80/moe-w4a4/Mixtral-8x7B/T256/fp16/5:_swiglu_kernel",
+    "sm_80/moe-w4a4/Qwen3-30B-A3B/T1/bf16/2:_grouped_kernel",
+    "sm_80/moe-w4a4/Qwen3-30B-A3B/T1/fp16/2:_grouped_kernel",
+    "sm_80/moe-w4a4/Qwen3-30B-A3B/T1/fp16/4:_quantize_pairs_kernel",
+    "sm_80/moe/Mixtral-8x7B/T1/bf16/0:_route_one_chunk_kernel", "sm_80/moe/Mixtral-8x7B/T1/bf16/3:_grouped_kernel",
+    "sm_80/moe/Mixtral-8x7B/T1/fp16/0:_route_one_chunk_kernel", "sm_80/moe/Mixtral-8x7B/T1/fp16/3:_grouped_kernel",
+    "sm_80/moe/Mixtral-8x7B/T1/fp16/4:_combine_kernel", "sm_80/moe/Qwen3-30B-A3B/T4096/bf16/0:_route_hist_kernel",
+    "sm_80/moe/Qwen3-30B-A3B/T4096/bf16/2:_route_place_kernel",
+    "sm_80/moe/Qwen3-30B-A3B/T4096/fp16/0:_route_hist_kernel",
+    "sm_80/moe/Qwen3-30B-A3B/T4096/fp16/2:_route_place_kernel", "sm_80/quantize/M1/scaled/bf16",
+    "sm_80/quantize/M1/scaled/fp16", "sm_80/quantize16/M16/scaled/fp16", "sm_80/quantize16/M8192/mse/bf16",
+    "sm_90/dequant/8B.qkv/bf16", "sm_90/dequant/8B.qkv/fp16", "sm_90/gemm/M16+bias/w4a4/bf16",
+    "sm_90/gemm/M16+bias/w4a4/fp16", "sm_90/gemv/Qwen2-7B.down/M1/bf16", "sm_90/gemv/Qwen2-7B.down/M1/fp16",
+    "sm_90/gemv/SmolLM2.down/M1/bf16", "sm_90/gemv/SmolLM2.down/M1/fp16", "sm_90/gemv4/262144x131088/M1/fp16",
+    "sm_90/gemv4/262144x131088/M2+bias/w4a4/bf16", "sm_90/mma/8B.gate_up/M2/fp16/0:_mma_kernel",
+    "sm_90/mma/8B.o/M16/w4a4-pdl/bf16/0:_mma_kernel", "sm_90/moe-w4a4/Mixtral-8x7B/T256/bf16/0:_route_hist_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/bf16/1:_route_scan_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/bf16/2:_route_place_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/bf16/6:_quantize_pairs_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/bf16/8:_combine_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/fp16/0:_route_hist_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/fp16/1:_route_scan_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/fp16/2:_route_place_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/fp16/6:_quantize_pairs_kernel",
+    "sm_90/moe-w4a4/Mixtral-8x7B/T256/fp16/8:_combine_kernel",
+    "sm_90/moe-w4a4/Qwen3-30B-A3B/T1/bf16/3:_swiglu_kernel",
+    "sm_90/moe-w4a4/Qwen3-30B-A3B/T1/bf16/5:_grouped_kernel",
+    "sm_90/moe-w4a4/Qwen3-30B-A3B/T1/fp16/2:_grouped_kernel",
+    "sm_90/moe-w4a4/Qwen3-30B-A3B/T1/fp16/3:_swiglu_kernel",
+    "sm_90/moe/Mixtral-8x7B/T1/bf16/0:_route_one_chunk_kernel",
+    "sm_90/moe/Mixtral-8x7B/T1/fp16/0:_route_one_chunk_kernel", "sm_90/moe/Qwen3-30B-A3B/T1/bf16/1:_grouped_kernel",
+    "sm_90/moe/Qwen3-30B-A3B/T1/fp16/1:_grouped_kernel",
+    "sm_90/moe/Qwen3-30B-A3B/T4096/bf16/3:_dequant_experts_kernel", "sm_90/quantize/M1/scaled/bf16",
+    "sm_90/quantize/M1/scaled/fp16", "sm_90/quantize16/M16/scaled/fp16", "sm_90/quantize16/M8192/packed/bf16",
+    "sm_90/wgmma/8B.o/M128+bias/w4a4/bf16/0:_wgmma_kernel", "sm_90/wgmma/8B.o/M128+bias/w4a4/fp16/0:_wgmma_kernel",
+    "sm_90/wsgemm/8B.qkv/M64/bf16/0:_ws_kernel", "sm_90/wsgemm/8B.qkv/M64/fp16/0:_ws_kernel",
 )
 
 
-def ptx_hashes(log=None, every: bool = False) -> dict:
-    """label -> PTX hash of the recorded launches of the ``REPRESENTATIVE`` cases (``every``: of every case
-    in both dtypes), for sm_90 and sm_80 (and ``dot_scaled`` for sm_100, where it runs)."""
+def _ci_build(case: str, label: str) -> bool:
+    """Whether the test compiles build ``label`` of ``case`` ("sm_ARCH/case/dtype")."""
+    return case in REPRESENTATIVE or label in REPRESENTATIVE
+
+
+def ptx_hashes(log=None, every: bool = False, only=None) -> dict:
+    """label -> PTX hash of the recorded launches of the ``REPRESENTATIVE`` cases and builds (``every``: of
+    every case in both dtypes; ``only``: of the cases ``"sm_ARCH/case/dtype"`` for which ``only`` is true), for
+    sm_90 and sm_80 (and ``dot_scaled`` for sm_100, where it runs, unless ``only`` is given)."""
     out, built = {}, {}
     for arch in ARCHS:
         for case, make in _cases(arch).items():
             for dname, dtype in DTYPES.items():
-                if not every and f"sm_{arch}/{case}/{dname}" not in REPRESENTATIVE:
+                name = f"sm_{arch}/{case}/{dname}"
+                ci = not (only or every)
+                if only and not only(name) or ci and not any(r == name or r.startswith(name + "/")
+                                                            for r in REPRESENTATIVE):
                     continue
                 with _device(arch):
                     make(dtype)
@@ -321,13 +469,16 @@ def ptx_hashes(log=None, every: bool = False) -> dict:
                     key = (arch, spec[0].__name__ if hasattr(spec[0], "__name__") else spec[0].fn.__name__,
                            repr(sorted(spec[1].items())), repr(sorted(spec[2].items(), key=lambda kv: kv[0])),
                            spec[3], repr(sorted(spec[4].items())))
+                    if ci and not _ci_build(name, f"{name}/{i}:{key[1]}"):
+                        continue
                     if key not in built:
                         t0 = time.time()
                         built[key] = _compiled(spec, arch)
                         if log:
                             log(f"sm_{arch} {case} {dname} #{i}: {key[1]} {time.time() - t0:.1f} s")
-                    out[f"sm_{arch}/{case}/{dname}/{i}:{key[1]}"] = built[key]
-    out.update(_dot_scaled_hashes())
+                    out[f"{name}/{i}:{key[1]}"] = built[key]
+    if only is None:
+        out.update(_dot_scaled_hashes())
     return out
 
 
@@ -394,11 +545,48 @@ def test_dispatch_picks_the_recorded_path_tile_and_split():
     assert not _compare(dispatch_table(), want)
 
 
+def _triton_mismatch(want: dict):
+    """Why the recorded hashes cannot be checked with the installed Triton (None when they can): the PTX
+    Triton generates changes between its versions, so the record holds the version it was made with."""
+    import triton
+
+    recorded = want.get(TRITON_KEY)
+    if recorded == triton.__version__:
+        return None
+    return (f"the PTX hashes in {PTX_FILE.name} were recorded with Triton {recorded}, this is Triton "
+            f"{triton.__version__}: install triton=={recorded} (as .ci/run does) to check them. To move the record "
+            f"to this Triton, first check an unchanged commit with Triton {recorded} (--check --all), then "
+            f"re-record every build with this one: PYTHONPATH=$PWD python tests/test_ptx_hashes.py")
+
+
 def test_dispatched_kernels_compile_to_the_recorded_ptx():
     pytest.importorskip("triton.experimental.gluon")
     want = json.loads(PTX_FILE.read_text())
+    mismatch = _triton_mismatch(want)
+    if mismatch:
+        pytest.skip(mismatch)
     got = ptx_hashes()
     assert len(got) >= 20 and not _compare(got, {label: want.get(label) for label in got})
+
+
+def _path(label: str) -> tuple:
+    """(arch, path, dtype) of a recorded build ``sm_ARCH/family/.../dtype/i:kernel``: the path is the kernel
+    (``_gemv_resident_kernel`` -> "gemv_resident"), the grouped MoE kernel's W4A4 builds apart ("grouped/w4a4")."""
+    case, kernel = label.split(":")
+    arch, family = case.split("/")[:2]
+    path = kernel.strip("_").removesuffix("_kernel")
+    return arch, path + ("/w4a4" if path == "grouped" and family == "moe-w4a4" else ""), case.split("/")[-2]
+
+
+def test_the_ci_set_builds_every_path_and_dtype_on_both_gpus():
+    """``REPRESENTATIVE`` (what the test above compiles) names recorded cases and builds, and holds a build of
+    every (arch, path, dtype) that the record holds for sm_90 and sm_80."""
+    want = json.loads(PTX_FILE.read_text())
+    labels = [label for label in want if label.split("/")[0] in {f"sm_{a}" for a in ARCHS}]
+    assert set(REPRESENTATIVE) <= set(labels) | {label.rsplit("/", 1)[0] for label in labels}
+    every = {_path(label) for label in labels}
+    ci = {_path(label) for label in labels if _ci_build(label.rsplit("/", 1)[0], label)}
+    assert len(every) >= 70 and not every - ci, f"not in REPRESENTATIVE: {sorted(every - ci)}"
 
 
 def _write(path: Path, data: dict) -> None:
@@ -409,15 +597,27 @@ def _write(path: Path, data: dict) -> None:
 
 
 if __name__ == "__main__":
+    import triton
+
     sys.path.insert(0, str(Path(__file__).parent))
-    check = "--check" in sys.argv[1:]
-    table = dispatch_table()
-    hashes = ptx_hashes(log=lambda s: print(s, file=sys.stderr), every=not check or "--all" in sys.argv[1:])
-    if check:
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    args = sys.argv[1:]
+    if "--check" in args or "--add" in args:
         want = json.loads(PTX_FILE.read_text())
+        if _triton_mismatch(want):
+            sys.exit(_triton_mismatch(want))
+    if "--add" in args:  # new cases only: every recorded build stays as it is
+        known = {label.rsplit("/", 1)[0] for label in want}
+        added = ptx_hashes(log=log, only=lambda name: name not in known)
+        _write(PTX_FILE, {**added, **want})
+        print(f"added {len(added)} builds to {PTX_FILE}: " + ", ".join(sorted({k.rsplit('/', 1)[0] for k in added})))
+        sys.exit(0)
+    table = dispatch_table()
+    hashes = ptx_hashes(log=log, every="--check" not in args or "--all" in args)
+    if "--check" in args:
         diff = _compare(table, json.loads(DISPATCH_FILE.read_text())) + _compare(hashes, {k: want.get(k) for k in hashes})
         print("\n".join(diff) or "unchanged")
         sys.exit(1 if diff else 0)
     _write(DISPATCH_FILE, table)
-    _write(PTX_FILE, hashes)
-    print(f"wrote {DISPATCH_FILE} ({len(table)} rows) and {PTX_FILE} ({len(hashes)} builds)")
+    _write(PTX_FILE, {**hashes, TRITON_KEY: triton.__version__})
+    print(f"wrote {DISPATCH_FILE} ({len(table)} rows) and {PTX_FILE} ({len(hashes)} builds, Triton {triton.__version__})")

@@ -13,7 +13,9 @@ every path, the tiled GEMM and dequantize + cuBLAS), ``gemv.py`` (M = 1-2), ``mm
 ``wsgemm.py`` (Gluon tensor-core kernels, the last two sm_90 only), ``dot_scaled.py`` (W4A4 on the FP4
 tensor cores of sm_100+), ``quantize_kernel.py`` (quantize, bit-identical to ``nvfp4.quantize``),
 ``grouped.py`` (a MoE layer's experts, ``moe_experts``: one grouped launch per expert projection), and
-``_common.py``, which they all share and which imports none of them.
+``_common.py``, which they all share and which imports none of them. ``_backend.py`` holds what these ops
+and the families share about backends (``BACKENDS``, ``BackendUnavailable``, ``triton_unavailable_reason``,
+the reference products): nothing in ``kernels/`` imports this package's ``__init__``.
 
 ``linear_plan`` gives the same launches decided once for a repeated input shape (``gemm.linear_plan``;
 ``NVFP4Linear`` keeps them per shape for eager calls): every launch site builds ``_common.Launch``
@@ -28,37 +30,8 @@ import torch
 
 from .. import nvfp4
 from ..nvfp4 import NVFP4Tensor
-
-BACKENDS = ("auto", "reference", "triton")
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested kernel backend cannot run this input here."""
-
-
-def _interpreting() -> bool:
-    """Whether the Triton kernels run under the interpreter (CPU tensors).
-    Triton decides when a kernel module is imported; before that, the env var."""
-    import os
-    import sys
-
-    built = sys.modules.get(__name__ + "._common")
-    if built is not None:
-        return built.INTERPRET
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_unavailable_reason(x: torch.Tensor, *, op: str = "quantize") -> Optional[str]:
-    """Why the Triton backend cannot run ``op`` on ``x`` (None when it can)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        return f"triton is not importable ({exc})"
-    if not x.is_cuda and not _interpreting():
-        return f"the input is on {x.device}, the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
-    if op != "quantize" and x.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Triton GEMMs take bf16/fp16 activations, got {x.dtype}"
-    return None
+from ._backend import (BACKENDS, BackendUnavailable, Decoder, _interpreting, _Linear, needs_grad,  # noqa: F401
+                       reference_w4a4, reference_w4a16, triton_unavailable_reason)
 
 
 def _pick(backend: str, x: torch.Tensor, op: str = "quantize", weight: Optional[NVFP4Tensor] = None) -> str:
@@ -102,48 +75,6 @@ def quantize(
     return nvfp4.quantize(x, four_six, amax=amax)
 
 
-Decoder = Callable[[torch.dtype], torch.Tensor]
-
-
-def needs_grad(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether a layer call must keep autograd's graph: x or the bias asks for a gradient (``_Linear``)."""
-    return (x.requires_grad or (bias is not None and bias.requires_grad)) and torch.is_grad_enabled()
-
-
-class _Linear(torch.autograd.Function):
-    """An NVFP4 layer's product where a gradient is asked for (LoRA-style training on a quantized base,
-    input attributions): the Triton kernels write their outputs outside autograd, and W4A4's activation
-    quantizer has no derivative, so both would drop the gradient through the layer without a word.
-    The packed weight is frozen: ``dx = dy @ dequant(W)`` (in dy's dtype) and ``dbias = sum(dy)``;
-    W4A4 passes dy straight through its activation quantizer where ``|x|`` is within what it
-    represents (``6 * 448 / global_enc``, past which it saturates) and stops it beyond (a clipped
-    straight-through estimator). Forward: the dispatch, unchanged."""
-
-    @staticmethod
-    def forward(ctx, x, bias, weight, input_amax, four_six, backend, decoded):
-        ctx.weight = weight
-        ctx.w4a4 = input_amax is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        if ctx.w4a4:
-            if ctx.needs_input_grad[0]:  # where the quantizer does not saturate: |x| <= FP4_MAX * FP8_MAX / enc
-                amax = input_amax if torch.is_tensor(input_amax) else torch.tensor(float(input_amax))
-                enc = nvfp4.global_encode_scale(amax.to(device=x.device, dtype=torch.float32), four_six is not None)
-                ctx.save_for_backward(x.abs() <= (nvfp4.FP4_MAX * nvfp4.FP8_MAX) / enc)
-            return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
-        return _w4a16(x, weight, bias, backend, decoded)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx = dbias = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.matmul(dy, ctx.weight.dequantize(dy.dtype).to(dy.device))
-            if ctx.w4a4:
-                dx = dx * ctx.saved_tensors[0]
-        if ctx.needs_input_grad[1]:
-            dbias = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return dx, dbias, None, None, None, None, None
-
-
 def linear_w4a16(
     x: torch.Tensor,
     weight: NVFP4Tensor,
@@ -158,7 +89,7 @@ def linear_w4a16(
     decoded: optional ``dtype -> weight.dequantize(dtype)`` (e.g. a cache); only
              the reference path calls it, the Triton kernels read the packed weight."""
     if needs_grad(x, bias):
-        return _Linear.apply(x, bias, weight, None, None, backend, decoded)
+        return _Linear.apply(x, bias, weight, None, None, lambda x, bias: _w4a16(x, weight, bias, backend, decoded))
     return _w4a16(x, weight, bias, backend, decoded)
 
 
@@ -168,9 +99,7 @@ def _w4a16(x, weight, bias, backend, decoded):
 
         with _on_device_of(x):
             return gemm.linear_w4a16(x, weight, bias)
-    w_hat = decoded(x.dtype) if decoded is not None else weight.dequantize(x.dtype)
-    # (a bias of another dtype is taken in x's, as the kernels read it)
-    return torch.nn.functional.linear(x, w_hat, None if bias is None else bias.to(x.dtype))
+    return reference_w4a16(x, weight, bias, decoded)
 
 
 def linear_plan(
@@ -223,7 +152,8 @@ def linear_w4a4(
     ``decoded`` as in ``linear_w4a16`` (called with fp32). Differentiable in x (a clipped
     straight-through estimator for the activation quantizer) and bias (``_Linear``)."""
     if needs_grad(x, bias):
-        return _Linear.apply(x, bias, weight, input_amax, four_six, backend, decoded)
+        return _Linear.apply(x, bias, weight, input_amax, four_six,
+                             lambda x, bias: _w4a4(x, weight, input_amax, bias, four_six, backend, decoded))
     return _w4a4(x, weight, input_amax, bias, four_six, backend, decoded)
 
 
@@ -233,13 +163,7 @@ def _w4a4(x, weight, input_amax, bias, four_six, backend, decoded):
 
         with _on_device_of(x):
             return gemm.linear_w4a4(x, weight, input_amax, bias, four_six=four_six)
-    # Products of E2M1 values and E4M3-derived steps are computed in fp32 here. The fused
-    # fake-quantizer equals nvfp4.quantize(...).dequantize(fp32) bit for bit (tests pin it).
-    x_hat = nvfp4.fake_quantize_fused(x, four_six, amax=input_amax, dtype=torch.float32, name="activation")
-    w_hat = decoded(torch.float32) if decoded is not None else weight.dequantize(torch.float32)
-    y = torch.nn.functional.linear(x_hat, w_hat)
-    y = y.to(x.dtype)
-    return y if bias is None else y + bias.to(y.dtype)
+    return reference_w4a4(x, weight, input_amax, bias, four_six, decoded)
 
 
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13, w2,

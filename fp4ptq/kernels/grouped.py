@@ -50,6 +50,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
+from ._backend import BACKENDS, BackendUnavailable, linear_reference, triton_unavailable_reason
 from ._common import INTERPRET, _output_scale, _sm_count, cdiv, decode_tile
 from .quantize_kernel import FOUR_SIX_CODES, quantize_halves, signed_scaled
 from .routing import (ROUTE_CHUNK, Routing, _kernels_for, block_m_for, route, route_launch_config,  # noqa: F401
@@ -293,10 +294,9 @@ def combine(y: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, dtyp
 def grouped_linear_reference(x: torch.Tensor, routing: Routing, weight: StackedWeight,
                              gather: bool = True) -> torch.Tensor:
     """``y [P, N]``: sorted pair p times its expert's weight, expert by expert with the reference GEMMs
-    (``kernels.linear_w4a16`` / ``linear_w4a4``, ``backend="reference"``). ``gather``: x is ``[T, K]``
-    read at ``routing.token`` (w13), else ``[P, K]`` in sorted order (down). Rows of no expert are 0."""
-    from . import linear_w4a4, linear_w4a16
-
+    (``kernels.linear_w4a16`` / ``linear_w4a4`` with ``backend="reference"``: ``_backend.linear_reference``).
+    ``gather``: x is ``[T, K]`` read at ``routing.token`` (w13), else ``[P, K]`` in sorted order (down).
+    Rows of no expert are 0."""
     y = x.new_zeros((routing.pairs, weight.out_features))
     offsets = routing.offsets.tolist()
     for e in range(weight.num_experts):
@@ -306,10 +306,8 @@ def grouped_linear_reference(x: torch.Tensor, routing: Routing, weight: StackedW
         xe = x[routing.token[lo:hi].long()] if gather else x[lo:hi]
         w = weight.expert(e)
         bias = None if weight.bias is None else weight.bias[e]
-        if weight.input_enc is None:
-            y[lo:hi] = linear_w4a16(xe, w, bias, backend="reference")
-        else:
-            y[lo:hi] = linear_w4a4(xe, w, weight.input_amax[e], bias, four_six=weight.four_six, backend="reference")
+        y[lo:hi] = linear_reference(xe, w, bias, None if weight.input_enc is None else weight.input_amax[e],
+                                    weight.four_six)
     return y
 
 
@@ -598,7 +596,6 @@ def grouped_linear(x: torch.Tensor, routing: Routing, weight: StackedWeight, *, 
     what the launch wrote for a consumer that sums it (``moe``: the gating, the combine): fp32 ``[S, P, N]``
     partial sums (output scale applied, bias in the first) where K was split, else ``[P, N]`` as above;
     without, split sums are added in split order in fp32 and rounded once to x's dtype."""
-    from . import BACKENDS, BackendUnavailable, triton_unavailable_reason
     from .grouped_dequant import grouped_mm_dequantized
 
     if backend not in BACKENDS:
@@ -704,8 +701,6 @@ def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Te
 def _glue_backend(hidden: torch.Tensor, backend: str) -> str:
     """The routing's and the combine's backend in ``moe``: their kernels where the grouped GEMMs run as
     Triton kernels, the torch ops where the GEMMs take the reference."""
-    from . import triton_unavailable_reason
-
     return "reference" if backend == "reference" or triton_unavailable_reason(hidden, op="grouped_linear") else "auto"
 
 

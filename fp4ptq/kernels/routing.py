@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import nvfp4
+from ._backend import BACKENDS, BackendUnavailable
 from ._common import INTERPRET, cdiv
 
 
@@ -65,8 +66,6 @@ def tile_bound(pairs: int, experts: int, block_m: int) -> int:
 def _kernels_for(x: torch.Tensor, backend: str, op: str) -> bool:
     """Whether ``op`` (routing, combine) runs as Triton kernels: ``backend`` "auto" or "triton" on a CUDA
     tensor or under the interpreter; "reference" (or a CPU tensor under "auto") takes the torch ops."""
-    from . import BACKENDS, BackendUnavailable
-
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
     able = x.is_cuda or INTERPRET
