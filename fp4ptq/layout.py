@@ -58,7 +58,11 @@ STOCK_RUN_DTYPE = torch.bfloat16
 # report so identical runs give identical files (the CLI prints them).
 TIMING_KEYS = ("elapsed_s", "seconds", "peak_memory")
 HASHES_KEY = "tensor_xxh3_128"
-CONFIG_HASH_KEY = "config_sha256"
+# SHA-256 of what in config.json decides how the tensors are read (HASHED_CONFIG_KEYS); other fields
+# (generation settings, max_position_embeddings, ...) may be edited without failing verification.
+CONFIG_HASH_KEY = "config_quantization_sha256"
+HASHED_CONFIG_KEYS = ("architectures", "model_type", "quantization_config", RECORD_KEY)
+LEGACY_CONFIG_HASH_KEY = "config_sha256"   # the whole config.json, written before the key above
 _log = logging.getLogger("fp4ptq")
 
 
@@ -166,12 +170,32 @@ def read_safetensors_header(file: str | Path) -> dict:
     return tensors
 
 
+def _index_shards(index: Path) -> list:
+    """The shard file names ``model.safetensors.index.json`` maps tensors to; a damaged index is a
+    ``CheckpointError`` naming the file and the field."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{index} is not valid JSON ({exc}); the file is damaged") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{index} is a JSON {type(data).__name__}, not an object; the file is damaged")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: field 'weight_map' is {str(weight_map)[:60]!r}, not an object of "
+                              "{tensor name: shard file}; the file is damaged")
+    bad = next(((k, v) for k, v in weight_map.items()
+                if not isinstance(v, str) or not v or Path(v).name != v), None)
+    if bad is not None:
+        raise CheckpointError(f"{index}: field 'weight_map' maps {bad[0]!r} to {str(bad[1])[:60]!r}, not a shard "
+                              "file name; the file is damaged")
+    return sorted(set(weight_map.values()))
+
+
 def checkpoint_files(path: Path) -> list:
     """The safetensors files of a checkpoint directory (from the index when sharded)."""
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        names = sorted(set(weight_map.values()))
+        names = _index_shards(index)
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard(s) {missing} that are not in {path}; the copy is incomplete")

@@ -301,7 +301,9 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict:
         raise FileNotFoundError(
             f"{report_path} not found: {checkpoint} is not a checkpoint written by `fp4ptq quantize` / fp4ptq.save"
         )
-    info = json.loads(report_path.read_text(encoding="utf-8"))
+    from ..integrity import read_report_checked
+
+    info = read_report_checked(checkpoint)   # a field of the wrong type: CheckpointError naming it (exit 5)
     tensors = _tensor_bytes(checkpoint)
     layers, claimed = [], set()
     for name, rec in sorted(info.get("layers", {}).items(), key=lambda kv: _natural_key(kv[0])):
