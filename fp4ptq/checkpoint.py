@@ -286,15 +286,15 @@ def _checked_skeleton(path: Path, dtype: Optional[torch.dtype]) -> tuple:
     return model, file_headers, from_file, report
 
 
-def validate(path: str | Path) -> dict:
+def validate(path: str | Path, *, verify: bool = True) -> dict:
     """Every check ``load`` makes, without loading a tensor into a model: config, headers, the layer
-    plan, names, shapes and dtypes, and the recorded tensor hashes. Returns ``{"tensors": n,
-    "verified": n or None}``; raises ``CheckpointError`` naming what does not fit."""
+    plan, names, shapes and dtypes, and (``verify``) the recorded tensor hashes. Returns
+    ``{"tensors": n, "verified": n or None}``; raises ``CheckpointError`` naming what does not fit."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; give the checkpoint directory fp4ptq.save wrote")
     _, headers, _, report = _checked_skeleton(path, None)
-    return {"tensors": len(headers), "verified": verify_hashes(path, headers, report)}
+    return {"tensors": len(headers), "verified": verify_hashes(path, headers, report) if verify else None}
 
 
 def layers_devices(model: nn.Module) -> set:

@@ -26,7 +26,7 @@ from .common import (
 )
 
 
-def _load_model(spec: Optional[str], device: str, dtype):
+def _load_model(spec: Optional[str], device: str, dtype, verify: bool = True):
     """``(model, tokenizer, entry)`` for an fp4ptq checkpoint dir, an HF dir / hub id / GGUF, or the demo."""
     from transformers import AutoTokenizer
 
@@ -36,7 +36,8 @@ def _load_model(spec: Optional[str], device: str, dtype):
         import fp4ptq
 
         path = Path(spec).expanduser()
-        model = fp4ptq.load(path, device=device, dtype=dtype, verify=True)   # negligible next to an evaluation
+        # verify: negligible next to an evaluation; --no-verify skips it
+        model = fp4ptq.load(path, device=device, dtype=dtype, verify=verify)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as exc:
@@ -129,7 +130,7 @@ def _run_one(spec: Optional[str], tasks, args, device, dtype, corpora, *, keep: 
     baseline), ``baseline`` is that model when this one is compared with it."""
     _say(f"loading {spec or 'the demo model'} ...")
     started = time.perf_counter()
-    model, tokenizer, entry = _load_model(spec, device, dtype)
+    model, tokenizer, entry = _load_model(spec, device, dtype, verify=not getattr(args, "no_verify", False))
     from ..eval import decoded_weight_cache
 
     # On CPU (reference path) decode each packed weight once, not on every forward: same outputs.

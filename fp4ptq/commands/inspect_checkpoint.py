@@ -25,7 +25,7 @@ def cmd_inspect(args) -> int:
     if (path / "config.json").is_file():
         check_packed_has_config(path)   # packed tensors whose config lost its quantization_config: exit 5
     # what fp4ptq.load checks (config, headers, plan, names, shapes, dtypes) and the recorded hashes
-    checked = validate(path) if _is_checkpoint(path) else None
+    checked = validate(path, verify=not args.no_verify) if _is_checkpoint(path) else None
     try:
         summary = inspect_checkpoint(path)
     except FileNotFoundError as exc:
@@ -41,6 +41,8 @@ def cmd_inspect(args) -> int:
     share = f", 4/6 share {t['four_share']:.3f}" if t["four_share"] is not None else ""
     if checked is None:
         verified = "not checked (no config.json with a quantization_config)"
+    elif args.no_verify:
+        verified = "hashes not checked (--no-verify): names, shapes and dtypes checked"
     elif checked["verified"] is None:
         verified = "no tensor hashes recorded (not written by fp4ptq): names, shapes and dtypes checked"
     else:
