@@ -9,6 +9,7 @@ from typing import Optional
 
 from .common import (
     EXIT_OK,
+    EXIT_USAGE,
     EXIT_UNSUPPORTED,
     OUT_ROOT,
     CLIError,
@@ -67,16 +68,21 @@ def cmd_quantize(args) -> int:
     from ..distributed import env_world
     from ..sources import resolve
 
+    src = resolve(args.model)
+    _check_output_apart(output, src)   # before anything touches the output: it must not hold the source
     if env_world().main:   # under torchrun, rank 0 alone touches the output's parent
         clean_leftovers(output)
     _prepare_output(output, args.overwrite, "output directory")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
-    src = resolve(args.model)
     if src.kind == "local" and _is_checkpoint(Path(src.path)):
         raise CLIError(f"{args.model} is already a quantized checkpoint (its config.json has a quantization_config); "
                        "quantize the full-precision model it was made from", EXIT_UNSUPPORTED)
     _check_calib(config, args.calib)
+    skeleton = _skeleton(src) if args.ignore else None
+    if skeleton is not None:   # --ignore checked and fused groups resolved before the weights load
+        config = _resolve_fused_ignore(skeleton, config, args.ignore)
+        args.ignore = None
     from .. import distributed
 
     # Under torchrun: every rank quantizes its share, rank 0 writes while the others wait.
@@ -130,7 +136,8 @@ def _quantize_and_save(args, config, output: Path, device: str, dtype):
         raise CLIError(f"{args.model} is not a causal language model transformers can load ({exc})",
                        EXIT_UNSUPPORTED) from exc
     check_finite_weights(model, src)
-    config = _resolve_fused_ignore(model, config, args.ignore)
+    if args.ignore:   # sources without a skeleton (GGUF, an unreachable hub config): checked on the model
+        config = _resolve_fused_ignore(model, config, args.ignore)
     calib_note = f", calibration {config.calib} {config.nsamples}x{config.seqlen}" if config.needs_calibration else ""
     w = world()
     ranks = f" x {w.size} ranks ({w.backend})" if w.parallel else ""
@@ -154,6 +161,46 @@ def _peak_text(peak: Optional[dict]) -> str:
     if peak.get("device_bytes") is not None:
         parts.append(f"{peak['device_bytes'] / 2**30:.1f} GiB GPU")
     return ", peak " + " / ".join(parts) if parts else ""
+
+
+def _check_output_apart(output: Path, src) -> None:
+    """``-o`` must neither be, nor lie inside, nor hold the source model (directory or GGUF file):
+    writing there (with ``--overwrite``: replacing it) would destroy the model being read."""
+    if src.kind not in ("local", "gguf", "demo"):
+        return
+    source = Path(src.path).resolve()
+    if src.gguf_file:
+        source = source / src.gguf_file
+    target = output.expanduser().resolve()
+    if target == source:
+        relation = "is"
+    elif source.is_dir() and target.is_relative_to(source):
+        relation = "lies inside"
+    elif source.is_relative_to(target):
+        relation = "holds"
+    else:
+        return
+    harm = ("would write into the model's directory" if relation == "lies inside"
+            else "would replace (--overwrite) or mix with the model being quantized")
+    raise CLIError(f"-o/--output {output} {relation} the source model {source}: saving there {harm}; "
+                   "choose an --output outside it", EXIT_USAGE)
+
+
+def _skeleton(src):
+    """The source model without weights (parameters on the meta device), built from its config.json,
+    for checks before loading; None for GGUF files (their config lives in the GGUF metadata, which
+    only the full load parses) and when the config cannot be read or built (the load reports it)."""
+    if src.gguf_file:
+        return None
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(src.path)
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - the full load that follows raises it with its exit code
+        return None
 
 
 def _check_calib(config, given: Optional[str]) -> None:
