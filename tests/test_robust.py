@@ -217,6 +217,108 @@ def test_swapped_tensor_offsets_are_caught_by_the_recorded_hashes(ckpts, tmp_pat
     assert code == cli.EXIT_UNSUPPORTED and "integrity check failed" in err
 
 
+INDEX_DAMAGE = {
+    "not JSON": lambda: "{not json",
+    "a list": lambda: "[]",
+    "weight_map a list": lambda: json.dumps({"weight_map": ["model.safetensors"]}),
+    "weight_map an int": lambda: json.dumps({"weight_map": 3}),
+    "a shard an int": lambda: json.dumps({"weight_map": {"model.norm.weight": 7}}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(INDEX_DAMAGE))
+def test_a_damaged_index_exits_5_naming_the_file_and_the_field(ckpts, tmp_path, capsys, damage):
+    bad = shutil.copytree(ckpts["w4a16"], tmp_path / "index")
+    index = bad / "model.safetensors.index.json"
+    index.write_text(INDEX_DAMAGE[damage]())
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
+        fp4ptq.load(bad, device="cpu")
+    code, _, err = run_cli(capsys, "inspect", bad, "-o", tmp_path / "i")
+    assert code == cli.EXIT_UNSUPPORTED and str(index) in err, err
+    assert ("weight_map" in err) == damage.startswith(("weight_map", "a shard")), err
+
+
+@pytest.mark.parametrize("field,value", [("layers", []), ("high_precision", 3), ("layers", {"x": 1}),
+                                         ("checkpoint", "x"), ("config", {"method": 1})])
+def test_a_report_field_of_the_wrong_type_exits_5_naming_it(ckpts, tmp_path, capsys, field, value):
+    bad = shutil.copytree(ckpts["w4a16"], tmp_path / "report")
+    report = json.loads((bad / "fp4ptq_report.json").read_text())
+    report[field] = value
+    (bad / "fp4ptq_report.json").write_text(json.dumps(report))
+    code, _, err = run_cli(capsys, "inspect", bad, "-o", tmp_path / "i")
+    assert code == cli.EXIT_UNSUPPORTED, err
+    assert "fp4ptq_report.json: field" in err and field in err and "bug" not in err, err
+
+
+VERIFY_BYPASS = {
+    "report deleted": lambda report: None,
+    "hashes dropped": lambda report: report["checkpoint"].pop("tensor_xxh3_128"),
+    "checkpoint a list": lambda report: report.__setitem__("checkpoint", []),
+    "config hash dropped": lambda report: report["checkpoint"].pop("config_quantization_sha256"),
+}
+
+
+@pytest.mark.parametrize("bypass", sorted(VERIFY_BYPASS))
+def test_verify_cannot_be_bypassed_by_removing_the_record(ckpts, tmp_path, capsys, bypass):
+    """Swapped offsets plus a deleted report / dropped hashes: with config.json's fp4ptq record present,
+    that is damage (exit 5), not a checkpoint of another tool."""
+    bad = shutil.copytree(ckpts["w4a16"], tmp_path / "bypass")
+    a, b = "model.layers.0.self_attn.q_proj.weight_packed", "model.layers.0.self_attn.o_proj.weight_packed"
+
+    def swap(header):
+        header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], header[a]["data_offsets"]
+    _edit_header(bad / "model.safetensors", swap)
+    file = bad / "fp4ptq_report.json"
+    report = json.loads(file.read_text())
+    if VERIFY_BYPASS[bypass](report) is None and bypass == "report deleted":
+        file.unlink()
+    else:
+        file.write_text(json.dumps(report))
+    with pytest.raises(CheckpointError, match=r"fp4ptq_report\.json"):
+        fp4ptq.load(bad, device="cpu", verify=True)
+    code, _, err = run_cli(capsys, "inspect", bad, "-o", tmp_path / "i")
+    assert code == cli.EXIT_UNSUPPORTED and "fp4ptq_report.json" in err and "not written by" not in err, err
+
+
+def test_editing_config_fields_outside_quantization_passes_verification(ckpts, src, tmp_path, capsys):
+    """A user raising max_position_embeddings is not locked out; an edited quantization field is caught,
+    and --no-verify is the escape hatch for eval and inspect."""
+    edited = shutil.copytree(ckpts["w4a16"], tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    config["max_position_embeddings"] *= 2
+    config["use_cache"] = False
+    (edited / "config.json").write_text(json.dumps(config))
+    assert checkpoint.validate(edited)["verified"]
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["observer"] = "mse"
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantization fields of config.json differ"):
+        fp4ptq.load(edited, device="cpu", verify=True)
+    argv = ["eval", edited, "--data-dir", src / "data", "--seqlen", "32", "--max-windows", "1", "--no-word-ppl",
+            "--device", "cpu", "-q"]
+    code, _, err = run_cli(capsys, *argv, "-o", tmp_path / "e1")
+    assert code == cli.EXIT_UNSUPPORTED and "--no-verify" in err, err
+    code, _, err = run_cli(capsys, *argv, "-o", tmp_path / "e2", "--no-verify")
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "inspect", edited, "-o", tmp_path / "i", "--no-verify")
+    assert code == 0 and "hashes not checked (--no-verify)" in out
+
+
+def test_quantize_refuses_an_output_that_is_inside_or_holds_the_source(src, tmp_path, capsys):
+    model_dir = shutil.copytree(src / "model", tmp_path / "parent" / "model")
+    before = tree_digest(tmp_path / "parent")
+    for output, relation in ((model_dir, "is"), (model_dir / "q", "lies inside"), (tmp_path / "parent", "holds")):
+        code, _, err = run_cli(capsys, "quantize", model_dir, "-o", output, "--overwrite", "--device", "cpu")
+        assert code == cli.EXIT_USAGE, err
+        assert f"-o/--output {output} {relation} the source model {model_dir}" in err and "loading" not in err
+    assert tree_digest(tmp_path / "parent") == before
+
+
+def test_a_gguf_source_stores_bf16():
+    from fp4ptq.sources import SourceModel, _stored_dtype
+
+    assert _stored_dtype(SourceModel("x.gguf", "gguf", "/nowhere", "x.gguf"), {}) == "bfloat16"
+
+
 def test_a_nan_in_a_source_weight_exits_5_naming_the_tensor(src, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
