@@ -297,6 +297,19 @@ def validate(path: str | Path, *, verify: bool = True) -> dict:
     return {"tensors": len(headers), "verified": verify_hashes(path, headers, report) if verify else None}
 
 
+def fused_ignore_extra(model: nn.Module, config) -> list:
+    """The members of fused groups (q/k/v, gate/up: one GEMM and one weight global scale in vLLM,
+    SGLang, TensorRT-LLM) that ``config.ignore`` leaves quantized while it keeps another member of the
+    same group in high precision: ``fp4ptq quantize`` and ``fp4ptq.quantize`` keep them too (and say so),
+    where ``save`` would otherwise refuse the unshared scales after all the work."""
+    extra = []
+    for _, names in fused_groups(model) or []:
+        ignored = [n for n in names if config.is_ignored(n)]
+        if ignored and len(ignored) < len(names):
+            extra += [n for n in names if n not in ignored]
+    return extra
+
+
 def layers_devices(model: nn.Module) -> set:
     """The devices the ``NVFP4Linear`` layers of ``model`` are on (empty for none; ``meta`` for layers
     offloaded by accelerate)."""
@@ -330,7 +343,7 @@ def _fuse(model: nn.Module, fuse: Optional[bool], device: Optional[torch.device]
 
 __all__ = [
     "CT_FORMAT", "CheckpointError", "FORMATS", "LayerPlan", "TensorInfo", "atomic_directory", "check_tensors",
-    "checkpoint_files", "compressed_tensors_config", "fused_groups", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
+    "checkpoint_files", "compressed_tensors_config", "fused_groups", "fused_ignore_extra", "divisor_to_multiplier", "fusion_device", "layers_devices", "load", "modelopt_config",
     "read_json", "clean_leftovers", "is_model_output", "stored_dtype", "tensor_hashes", "validate",
     "verify_hashes", "check_packed_has_config", "config_hash",
     "nvfp4_layers", "parse_quantization_config", "plan_layers", "read_headers", "read_report",

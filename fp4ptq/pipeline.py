@@ -245,6 +245,22 @@ def _peak_memory(device: torch.device, world: distributed.World = distributed.SI
 
 
 @torch.no_grad()
+def _keep_fused_groups_whole(model: nn.Module, config: QuantConfig) -> QuantConfig:
+    """``ignore`` of part of a fused group (q/k/v, gate/up) keeps the whole group in high precision,
+    with a warning now, as ``fp4ptq quantize --ignore`` does (``save`` would refuse it after the work)."""
+    import warnings
+
+    from .checkpoint import fused_ignore_extra
+
+    extra = fused_ignore_extra(model, config)
+    if not extra:
+        return config
+    warnings.warn(f"QuantConfig.ignore keeps part of a fused group (q/k/v or gate/up share one GEMM and one "
+                  f"scale in serving engines): also keeping {len(extra)} layer(s) in high precision, e.g. "
+                  f"{', '.join(extra[:3])}", stacklevel=3)
+    return replace(config, ignore=tuple(config.ignore) + tuple(extra))
+
+
 def quantize(
     model: nn.Module,
     config: QuantConfig,
@@ -285,6 +301,7 @@ def quantize(
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be an fp4ptq.QuantConfig, got {type(config).__name__}")
     check_decoder_only(model)
+    config = _keep_fused_groups_whole(model, config)
     started = time.perf_counter()
     high = {name: reason for name, reason in linearize_model(model).items()}
     layers_path, blocks = find_blocks(model)

@@ -226,7 +226,7 @@ def _resolve_fused_ignore(model, config, patterns: Optional[list]):
 
     from torch import nn
 
-    from ..checkpoint import fused_groups
+    from ..checkpoint import fused_ignore_extra
 
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for pattern in patterns or []:
@@ -234,11 +234,7 @@ def _resolve_fused_ignore(model, config, patterns: Optional[list]):
         if not any(probe.is_ignored(name) for name in linears):
             raise CLIError(f"--ignore {pattern} matches no linear layer of the model (names look like "
                            f"{linears[0] if linears else 'none'})")
-    extra = []
-    for _, names in fused_groups(model) or []:
-        ignored = [n for n in names if config.is_ignored(n)]
-        if ignored and len(ignored) < len(names):
-            extra += [n for n in names if n not in ignored]
+    extra = fused_ignore_extra(model, config)
     if not extra:
         return config
     _say(f"--ignore keeps part of a fused group (q/k/v or gate/up share one GEMM and one scale in serving "
