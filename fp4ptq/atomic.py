@@ -7,9 +7,11 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from .layout import CONFIG_FILE, REPORT_FILE, CheckpointError
 
@@ -47,19 +49,47 @@ def _check_target(target: Path, overwrite: bool) -> None:
             )
 
 
+# A live save's hidden directories carry its process id: ``.NAME.partial-<pid>-<hex8>``.
+_LEFTOVER = re.compile(r"\.(?P<kind>partial|replaced)-(?:(?P<pid>\d+)-)?[0-9a-f]{8}$")
+LIVE_SAVE_SECONDS = 3600   # a live process's directory untouched this long is a leftover (its pid reused)
+
+
+def _hidden_name(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _live_save(leftover: Path, pid: Optional[str]) -> bool:
+    """Whether ``leftover`` belongs to a save still running: its process is alive and it was written
+    to within ``LIVE_SAVE_SECONDS`` (names without a pid, from older versions, are leftovers)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass   # alive, another user's (or a pid out of range: treated as alive, then aged out)
+    newest = max((f.stat().st_mtime for f in [leftover, *leftover.rglob("*")]), default=0.0)
+    return time.time() - newest < LIVE_SAVE_SECONDS
+
+
 def clean_leftovers(target: str | Path) -> list:
     """Remove what a killed save into ``target`` left beside it: ``.NAME.partial-*`` directories, and
     ``.NAME.replaced-*`` ones (the previous checkpoint, set aside just before the final rename: it is
-    put back as ``NAME`` when ``NAME`` is missing). Returns the lines it logged."""
+    put back as ``NAME`` when ``NAME`` is missing). Those of a save still running (its process alive,
+    written to within the hour) are left alone, with a line saying so. Returns the lines it logged."""
     target = Path(target).expanduser().absolute()
     if not target.parent.is_dir():
         return []
     lines = []
     for kind in ("replaced", "partial"):
         for leftover in sorted(target.parent.glob(f".{_glob_escape(target.name)}.{kind}-*")):
-            if not leftover.is_dir():
+            match = _LEFTOVER.search(leftover.name)
+            if not leftover.is_dir() or match is None:
                 continue
-            if kind == "replaced" and not target.exists():
+            if _live_save(leftover, match["pid"]):
+                lines.append(f"left {leftover} alone: a save by running process {match['pid']} is writing it")
+            elif kind == "replaced" and not target.exists():
                 os.rename(leftover, target)
                 lines.append(f"put back {target} from {leftover.name} (a save into it was interrupted)")
             else:
@@ -79,12 +109,12 @@ def _glob_escape(name: str) -> str:
 def atomic_directory(target: str | Path, overwrite: bool = False):
     """Yield a fresh hidden directory beside ``target``; on success fsync its
     files and rename it to ``target`` (replacing it only with ``overwrite``);
-    on error remove it. A killed process leaves ``.NAME.partial-XXXXXXXX``."""
+    on error remove it. A killed process leaves ``.NAME.partial-PID-XXXXXXXX``."""
     target = Path(target).expanduser().absolute()
     clean_leftovers(target)
     _check_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    partial = _hidden_name(target, "partial")
     os.mkdir(partial)
     try:
         yield partial
@@ -95,7 +125,7 @@ def atomic_directory(target: str | Path, overwrite: bool = False):
         _check_target(target, overwrite)
         previous = None
         if target.is_dir():
-            previous = target.parent / f".{target.name}.replaced-{uuid.uuid4().hex[:8]}"
+            previous = _hidden_name(target, "replaced")
             os.rename(target, previous)
         os.rename(partial, target)
         _fsync_path(target.parent)

@@ -45,10 +45,11 @@ time but 23% of Qwen2.5-0.5B's (711 MiB, warm file cache), above the 10% such a 
 
 Writes are atomic: everything goes to a hidden directory beside the target,
 is fsynced, then renamed. A killed save leaves only that hidden
-``.NAME.partial-XXXXXXXX`` directory (config.json is written last, so even it
+``.NAME.partial-PID-XXXXXXXX`` directory (config.json is written last, so even it
 never looks complete), never a half-written ``NAME``; the next save into the
-same target removes it (and puts back a ``.NAME.replaced-XXXXXXXX`` copy if a
-kill came between the two renames), with a log line saying so.
+same target removes it (and puts back a ``.NAME.replaced-PID-XXXXXXXX`` copy if a
+kill came between the two renames), with a log line saying so, but leaves alone
+those of a save still running (process PID alive, written to within the hour).
 
 ``load`` builds the model skeleton without allocating weights (parameters on
 the meta device), swaps in ``NVFP4Linear`` modules, checks every tensor's

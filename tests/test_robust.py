@@ -408,6 +408,19 @@ def test_leftovers_of_a_killed_save_are_removed_by_the_next_run_with_a_line(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and tree_digest(target) == digest
 
 
+def test_a_live_concurrent_save_keeps_its_partial_directory(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = tmp_path / f".ckpt.partial-{os.getpid()}-0123abcd"
+    gone = tmp_path / f".ckpt.partial-{int(dead.stdout)}-4567abcd"
+    for path in (live, gone):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x")
+    lines = checkpoint.clean_leftovers(tmp_path / "ckpt")
+    assert lines == [f"left {live} alone: a save by running process {os.getpid()} is writing it",
+                     f"removed {gone} (0.0 MiB), left by an interrupted save"]
+    assert live.is_dir() and not gone.exists()
+
+
 def test_overwrite_refuses_a_directory_that_is_not_a_model_output(src, tmp_path, capsys):
     precious = tmp_path / "notes"
     precious.mkdir()
@@ -492,21 +505,11 @@ def _mutate(path: Path, mutation) -> None:
             index = value
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
         return
-    if where in ("report", "record"):
-        report = json.loads((path / "fp4ptq_report.json").read_text())
-        node = report if where == "report" else report["checkpoint"]
-        key = sorted(node)[pick % len(node)]
-        if kind == "remove":
-            del node[key]
-        elif kind == "rename":
-            node[key + "_x"] = node.pop(key)
-        else:
-            node[key] = value
-        (path / "fp4ptq_report.json").write_text(json.dumps(report))
-        return
-    config = json.loads((path / "config.json").read_text())
-    node = {"config": config, "quant": config["quantization_config"],
-            "group": config["quantization_config"]["config_groups"]["group_0"]["weights"]}[where]
+    file = path / ("fp4ptq_report.json" if where in ("report", "record") else "config.json")
+    data = json.loads(file.read_text())
+    node = {"report": lambda: data, "record": lambda: data["checkpoint"], "config": lambda: data,
+            "quant": lambda: data["quantization_config"],
+            "group": lambda: data["quantization_config"]["config_groups"]["group_0"]["weights"]}[where]()
     key = sorted(node)[pick % len(node)]
     if kind == "remove":
         del node[key]
@@ -514,7 +517,7 @@ def _mutate(path: Path, mutation) -> None:
         node[key + "_x"] = node.pop(key)
     else:
         node[key] = value
-    (path / "config.json").write_text(json.dumps(config))
+    file.write_text(json.dumps(data))
 
 
 def test_random_header_and_config_mutations_give_exact_logits_or_a_checkpoint_error(ckpts, tmp_path_factory):
