@@ -81,6 +81,19 @@ def read_json(file: Path) -> dict:
         raise CheckpointError(f"{file} is not valid JSON ({exc}); the file is damaged") from exc
 
 
+def _written_by_fp4ptq(headers: dict) -> bool:
+    """Whether the safetensors files say ``fp4ptq.save`` wrote them (``__metadata__`` producer); a
+    checkpoint re-saved by transformers' ``save_pretrained`` keeps config.json's fp4ptq record but
+    neither the report nor that producer."""
+    for file in sorted({info.file for info in headers.values()}):
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            metadata = json.loads(handle.read(length)).get("__metadata__") or {}   # read_headers checked it
+        if metadata.get("producer") == "fp4ptq":
+            return True
+    return False
+
+
 def _recovery() -> str:
     return ("Re-copy or re-create the checkpoint (fp4ptq.load(..., verify=False) or `fp4ptq eval --no-verify` "
             "accept it as it is)")
@@ -89,11 +102,12 @@ def _recovery() -> str:
 def verify_hashes(path: Path, headers: dict, report: Optional[dict]) -> Optional[int]:
     """Check the config.json fields that decide loading and every tensor (dtype, shape, bytes) against
     the hashes the report recorded at save time (swapped offsets, flipped bits, an edited quantization
-    config); returns how many tensors were checked (None: a checkpoint of another tool, i.e. neither an
-    fp4ptq record in config.json nor a report). With either present, a missing report, missing hashes
-    or a wrong-typed field is a ``CheckpointError``: deleting them must not skip the check."""
+    config); returns how many tensors were checked (None: a checkpoint of another tool, or one re-saved
+    by transformers: no report, and not both config.json's fp4ptq record and files whose metadata names
+    fp4ptq as producer). Otherwise a missing report, missing hashes or a wrong-typed field is a
+    ``CheckpointError``: deleting them must not skip the check."""
     config = read_json(path / CONFIG_FILE)
-    ours = isinstance(config, dict) and config.get(RECORD_KEY) is not None
+    ours = isinstance(config, dict) and config.get(RECORD_KEY) is not None and _written_by_fp4ptq(headers)
     file = path / REPORT_FILE
     if report is None:
         if not ours:
