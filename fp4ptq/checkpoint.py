@@ -38,10 +38,13 @@ transformers + compressed-tensors run the checkpoint with default arguments.
 
 Files are byte-reproducible (sorted safetensors metadata; no timings in the
 report), and the report holds a hash per tensor (``checkpoint.tensor_xxh3_128``: XXH3-128 of
-its dtype, shape and bytes as stored) and of config.json (``checkpoint.config_sha256``), which
-``load(verify=True)``, ``fp4ptq inspect`` and ``fp4ptq eval`` check. Off by default in ``load``:
-``load`` maps the files lazily, so reading every byte to hash it costs 5% of the demo model's load
-time but 23% of Qwen2.5-0.5B's (711 MiB, warm file cache), above the 10% such a default may cost.
+its dtype, shape and bytes as stored) and of config.json's quantization fields
+(``checkpoint.config_quantization_sha256``), which ``load``, ``fp4ptq inspect`` and ``fp4ptq eval``
+check by default (``verify=False`` / ``--no-verify`` skip it). It costs 9.4% of the demo model's
+load time (median of 7 loads each way, CPU, warm file cache, a loaded 2-core machine:
+``benchmarks/results/checkpoint_smollm2_cpu_verify.{json,md}``), under the 10% such a default may
+cost. Hashing reads every byte once (~0.7 GB/s there), so the share is larger on models where the
+fixed cost of building the skeleton weighs less.
 
 Writes are atomic: everything goes to a hidden directory beside the target,
 is fsynced, then renamed. A killed save leaves only that hidden
@@ -199,7 +202,7 @@ def module_names(model: nn.Module, headers: dict, qcfg) -> tuple:
 
 
 def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
-         fuse: Optional[bool] = None, verify: bool = False) -> nn.Module:
+         fuse: Optional[bool] = None, verify: bool = True) -> nn.Module:
     """Load a packed NVFP4 checkpoint (ours or any compressed-tensors
     ``nvfp4-pack-quantized`` one) with ``NVFP4Linear`` layers, in eval mode.
 
@@ -212,10 +215,11 @@ def load(path: str | Path, *, device=None, dtype: Optional[torch.dtype] = None,
             CUDA, where it pays at decoding sizes, for the architectures ``fp4ptq.models``
             describes (others load unfused); True: on any device, and an architecture without
             a table is an error; False: never. Moving the model afterwards dissolves the groups.
-    verify: check config.json and every tensor's bytes against the hashes the report recorded at save time
-            (``CheckpointError`` on a mismatch; swapped offsets, flipped bits, an edited config). Reads
-            every byte once (~10 GB/s; the load itself maps the files lazily), so it is off by default;
-            skipped for checkpoints without hashes.
+    verify: check config.json's quantization fields and every tensor's bytes against the hashes the report
+            recorded at save time (``CheckpointError`` on a mismatch, or when the report or its hashes are
+            missing from an fp4ptq checkpoint: swapped offsets, flipped bits, an edited quantization
+            config). Reads every byte once (9.4% of the demo model's load time on a CPU); False skips it.
+            Checkpoints of other tools (no report, no fp4ptq record) are checked structurally only.
     """
     from safetensors import SafetensorError, safe_open
 

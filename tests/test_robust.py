@@ -213,7 +213,9 @@ def test_swapped_tensor_offsets_are_caught_by_the_recorded_hashes(ckpts, tmp_pat
     checkpoint.validate(ckpts["w4a16"])   # the original passes
     with pytest.raises(CheckpointError, match=r"integrity check failed.*2 tensor\(s\).*o_proj\.weight_packed"):
         fp4ptq.load(bad, device="cpu", verify=True)
-    fp4ptq.load(bad, device="cpu")   # unverified (the default), what every loader did before: accepted silently
+    with pytest.raises(CheckpointError, match="integrity check failed"):
+        fp4ptq.load(bad, device="cpu")   # verified by default
+    fp4ptq.load(bad, device="cpu", verify=False)   # what every loader did before: accepted silently
     code, _, err = run_cli(capsys, "inspect", bad, "-o", tmp_path / "i")
     assert code == cli.EXIT_UNSUPPORTED and "integrity check failed" in err
 
