@@ -6,6 +6,8 @@
     python benchmarks/checkpoint_bench.py --model llama8b --device cuda
     # the same code path at a tiny size, to check it on a CPU
     python benchmarks/checkpoint_bench.py --model llama8b --tiny
+    # what load(verify=True) costs: loads with and without it, alternated, medians (-> ..._verify.{json,md})
+    python benchmarks/checkpoint_bench.py --model smollm2 --verify 7
 
 What is timed: ``fp4ptq.save`` (model on its device -> safetensors on disk, fsynced),
 ``fp4ptq.load`` and ``AutoModelForCausalLM.from_pretrained`` (disk -> NVFP4Linear
@@ -136,6 +138,24 @@ def peak_load(fn, device):
     return model, seconds, peak
 
 
+def verify_cost(ckpt: Path, device: torch.device, repeats: int) -> dict:
+    """Median ``fp4ptq.load`` seconds without and with ``verify=True`` (alternated, warm cache)."""
+    import statistics
+
+    times = {False: [], True: []}
+    for _ in range(repeats):
+        for verify in (False, True):
+            model, seconds, _ = peak_load(lambda v=verify: fp4ptq.load(ckpt, device=device, verify=v), device)
+            times[verify].append(seconds)
+            del model
+    plain, checked = statistics.median(times[False]), statistics.median(times[True])
+    headers = checkpoint.read_headers(checkpoint.checkpoint_files(ckpt))
+    return {"repeats": repeats, "load_s": round(plain, 4), "load_verify_s": round(checked, 4),
+            "overhead": round(checked / plain - 1, 4), "tensors": len(headers),
+            "hashed_bytes": sum(i.offsets[1] - i.offsets[0] for i in headers.values()),
+            "all_load_s": [round(t, 4) for t in times[False]], "all_load_verify_s": [round(t, 4) for t in times[True]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("smollm2", "llama8b"), default="smollm2")
@@ -146,6 +166,8 @@ def main() -> None:
     ap.add_argument("--ppl-windows", type=int, default=0, help="smollm2: WikiText-2 windows to compare (0: skip)")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--data-dir", default=os.environ.get("FP4PTQ_EVALDATA"))
+    ap.add_argument("--verify", type=int, default=0, metavar="N",
+                    help="also time N loads with verify=True and N without, alternated (results: ..._verify)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -197,6 +219,8 @@ def main() -> None:
                          "in_memory": ppl_memory["token_perplexity"], "loaded": ppl_loaded["token_perplexity"],
                          "equal": ppl_memory["nll_mean"] == ppl_loaded["nll_mean"]}
     del loaded
+    if args.verify:
+        result["verify"] = verify_cost(ckpt, device, args.verify)
     from transformers import AutoModelForCausalLM
 
     hf_model, hf_s, hf_peak = peak_load(
@@ -210,7 +234,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"checkpoint_{name}_{device.type}"
+    stem = out / f"checkpoint_{name}_{device.type}{'_verify' if args.verify else ''}"
     harness.write_json(str(stem.with_suffix(".json")), result)
     gb = 1e9
     rows = [
@@ -226,6 +250,11 @@ def main() -> None:
     if load_peak is not None:
         rows.append(("peak GPU memory, load / from_pretrained",
                      f"{load_peak / gb:.2f} / {hf_peak / gb:.2f} GB"))
+    if "verify" in result:
+        v = result["verify"]
+        rows.append((f"fp4ptq.load, median of {v['repeats']}, without / with verify=True",
+                     f"{v['load_s']:.3f} / {v['load_verify_s']:.3f} s: verify adds {100 * v['overhead']:.1f}% "
+                     f"({v['tensors']} tensors, {v['hashed_bytes'] / 1e6:.0f} MB hashed)"))
     if "ppl" in result:
         p = result["ppl"]
         rows.append((f"WikiText-2 ppl ({p['windows']} x {p['seqlen']} tokens)",
