@@ -9,8 +9,8 @@ from typing import Optional
 
 from .common import (
     EXIT_OK,
-    EXIT_USAGE,
     EXIT_UNSUPPORTED,
+    EXIT_USAGE,
     OUT_ROOT,
     CLIError,
     _device,
