@@ -189,9 +189,6 @@ def test_dispatch_guard_names_the_reason(monkeypatch):
     assert dp.choose(2, torch.float16, False, 8192, cuda, 57344) == "mma"
     assert "K % 64" in dp.mma_unavailable_reason(16, 4112, torch.bfloat16, cuda)
     assert dp.choose(16, torch.bfloat16, False, 4112, cuda) == "gemm"
-    monkeypatch.setattr(dp, "MMA_MAX_M", 0)  # FP4PTQ_MMA_MAX_M=0 turns it off
-    assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "gemm"
-    monkeypatch.setattr(dp, "MMA_MAX_M", 64)
     monkeypatch.setattr(mma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert dp.mma_unavailable_reason(16, 4096, torch.bfloat16, cuda) == "self-test error 3.1e-01"
     assert dp.choose(16, torch.bfloat16, False, 4096, cuda) == "gemm"

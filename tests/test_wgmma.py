@@ -272,14 +272,8 @@ def test_dispatch_takes_wgmma_for_65_to_128_rows_where_wsgemm_does_not(monkeypat
     assert dp.choose(128, torch.bfloat16, False, 4112, cuda, 4096) == "cublas"  # K % 64 (wsgemm), % 128
     assert dp.choose(128, torch.bfloat16, False, 4160, cuda, 4096) == "wsgemm"  # K % 128 != 0, % 64 == 0
     assert "bf16 or fp16" in dp.wgmma_unavailable_reason(128, 64, 4096, torch.float32, cuda)
-    monkeypatch.setattr(dp, "WSGEMM", False)  # FP4PTQ_WSGEMM=0: wgmma.py takes wsgemm's rows back
-    assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
-    monkeypatch.setattr(dp, "WSGEMM", True)
     monkeypatch.setattr(wsgemm, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 4096) == "wgmma"
-    monkeypatch.setattr(dp, "WGMMA", False)  # FP4PTQ_WGMMA=0
-    assert dp.choose(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
-    monkeypatch.setattr(dp, "WGMMA", True)
     monkeypatch.setattr(wgmma, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert dp.choose(128, torch.bfloat16, False, 2048, cuda, 4096) == "cublas"
 

@@ -426,14 +426,6 @@ def test_dispatch_takes_wsgemm_where_the_rule_says(monkeypatch, sm90_dispatch):
         assert dp.choose(64, dt, False, 4096, cuda, 1024) == "mma"  # N below MIN_N_SMALL_M
         assert dp.choose(128, dt, False, 4096, cuda, 1024) == "wgmma"
     assert dp.choose(1024, torch.bfloat16, False, 4112, cuda, 28672) == "cublas"  # K % 64
-    monkeypatch.setattr(dp, "WSGEMM_MIN_M", 129)  # FP4PTQ_WSGEMM_MIN_M=129: the rows before session 22
-    assert dp.choose(128, torch.bfloat16, False, 4096, cuda, 28672) == "wgmma"
-    assert dp.choose(64, torch.bfloat16, False, 4096, cuda, 28672) == "mma"
-    assert dp.choose(129, torch.bfloat16, False, 4096, cuda, 28672) == "wsgemm"
-    monkeypatch.setattr(dp, "WSGEMM_MIN_M", 0)
-    monkeypatch.setattr(dp, "WSGEMM", False)  # FP4PTQ_WSGEMM=0
-    assert dp.choose(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
-    monkeypatch.setattr(dp, "WSGEMM", True)
     monkeypatch.setattr(ws, "ready", lambda device: "self-test error 3.1e-01")  # failed there: not used
     assert dp.choose(1024, torch.bfloat16, False, 4096, cuda, 28672) == "cublas"
 

@@ -1,15 +1,14 @@
-"""Which kernel takes a call: the dispatch rules as one table (``RULES``), read by ``choose``.
+"""Which kernel takes a call, with which tile and K split: the rules of ``rules.py`` (``RULES``: the path;
+``TILES``: the tile and split) read against the device by ``choose`` and ``plan``.
 
 Paths: "gemv6" (the GEMVs, ``gemv.py``: x resident in registers, or streamed on the long-K layers),
 "gemv4" (the fp32 GEMV, for layers of 2^31 blocks and more), "mma" (``mma.py``, Gluon ``mma.sync``),
 "wgmma" (``wgmma.py``, sm_90), "wsgemm" (``wsgemm.py``, the warp-specialized sm_90 GEMM),
 "dot_scaled" (``dot_scaled.py``, W4A4 on the FP4 tensor cores of sm_100+), "gemm" (the tiled Triton
-GEMM, ``gemm.py``), "cublas" (dequantize, then cuBLAS). The tile and K split of each path are its
-module's ``config`` (``gemv._gemv6_config`` / ``_gemv7_config``, ``mma.config``, ``wgmma.config``,
-``wsgemm.config`` and ``wsgemm.plan``, ``gemm._gemm_config``); the measurements behind every rule
-are named where it is (``benchmarks/results/``) and summed up in ``docs/KERNELS.md``.
-``tests/test_ptx_hashes.py`` holds the path, tile and split this gives for the README's and the model
-zoo's layers on sm_90 and sm_80.
+GEMM, ``gemm.py``), "cublas" (dequantize, then cuBLAS). This module holds the conditions of the rules
+that ask the device (``CONDITIONS``: a kernel's self-test, the SM count); ``rules.py`` imports no kernel
+family, so each family's ``config`` reads its tile rows there. ``tests/test_ptx_hashes.py`` holds the
+path, tile and split this gives for the README's and the model zoo's layers on sm_90 and sm_80.
 """
 from __future__ import annotations
 
@@ -19,40 +18,11 @@ from typing import Optional
 
 import torch
 
-from . import _common, gemv
+from . import _common, gemv, rules
 from ._common import cdiv
+from .rules import GEMV_MAX_M, RULES, Call  # noqa: F401 - the rules, read here
 
-GEMV_MAX_M = 2       # the GEMVs take M <= 2 rows
-MMA_MAX_M = 64       # mma.py takes M <= 64 (0: never; session-5 H200 sweeps, results/mma_h200_sweep*.json)
-CUBLAS_MIN_M = 64    # dequantize + cuBLAS from M = 64 where no tensor-core kernel takes the call
-WGMMA = True         # wgmma.py in use (results/wgmma_h200_v3.json: 1.05-1.37x dequantize + cuBLAS at M = 128)
-WSGEMM = True        # wsgemm.py in use (results/wsgemm_h200_rule.json, wsgemm_h200_split.json)
-WSGEMM_MIN_M = 0     # the least M wsgemm.py takes where above its own MIN_M (129: the rules before session 22)
-
-Rule = namedtuple("Rule", "path least most w4a4 when")
-NO_LIMIT = 1 << 62
-# The first rule whose rows (least <= M <= most), kind (``w4a4``: True W4A4 only, None either) and every
-# condition in ``when`` (the functions of ``CONDITIONS``) hold picks the path. M <= 2 first.
-RULES = (
-    # M <= 2: bf16 below sm_80 takes the tiled GEMM; mma.py at M = 2 on layers of 4M weights and more
-    # (not the narrow ones where fp16 / W4A4 keep the GEMV) and on layers too large for gemv6's 32-bit
-    # offsets; the fp32 GEMV on those if mma.py cannot run; else gemv6 (gemv7 on the long-K layers)
-    Rule("gemm", 1, GEMV_MAX_M, None, ("bf16_below_sm80",)),
-    Rule("mma", 2, 2, None, ("at_least_4m_weights", "not_narrow_gemv6_kept", "mma_ready")),
-    Rule("mma", 1, GEMV_MAX_M, None, ("too_many_blocks", "above_25m_weights", "mma_ready")),
-    Rule("gemv4", 1, GEMV_MAX_M, None, ("too_many_blocks",)),
-    Rule("gemv6", 1, GEMV_MAX_M, None, ()),
-    # M >= 3: W4A4 on the FP4 tensor cores (sm_100+); wsgemm.py where its rule takes the shape (sm_90,
-    # M = 33..1024, W4A4 to 2048 / 8192); mma.py to M = 64; wgmma.py at 65..128 (sm_90); then
-    # dequantize + cuBLAS from M = 64 and the tiled GEMM below (K % 64 != 0, or no Gluon)
-    Rule("dot_scaled", GEMV_MAX_M + 1, NO_LIMIT, True, ("dot_scaled_ready",)),
-    Rule("wsgemm", GEMV_MAX_M + 1, NO_LIMIT, None, ("wsgemm_preferred",)),
-    Rule("mma", GEMV_MAX_M + 1, NO_LIMIT, None, ("mma_ready",)),
-    Rule("wgmma", GEMV_MAX_M + 1, NO_LIMIT, None, ("wgmma_preferred",)),
-    Rule("cublas", CUBLAS_MIN_M, NO_LIMIT, None, ()),
-    Rule("gemm", 1, NO_LIMIT, None, ()),
-)
-Call = namedtuple("Call", "m n k dtype device w4a4")
+Plan = namedtuple("Plan", "path tile split")
 
 
 def _bf16_below_sm80(c: Call) -> bool:
@@ -60,55 +30,42 @@ def _bf16_below_sm80(c: Call) -> bool:
     return c.dtype == torch.bfloat16 and gemv_bf16_reason(c.device) is not None
 
 
-def _at_least_4m_weights(c: Call) -> bool:
-    return c.n * c.k >= 1 << 22
-
-
-def _not_narrow_gemv6_kept(c: Call) -> bool:
-    """Not one of the narrow single-segment layers (``gemv._gemv6_narrow``: 8B qkv / o, Qwen2-7B qkv / o,
-    Gemma-2-9B o) where fp16 and W4A4 keep the GEMV at M = 2 (gemv6 ahead by 0.5-6% in fp16; W4A4 mixed,
-    -4% to +5%); bf16 W4A16 takes mma.py there too since its summing pass became a programmatic dependent
-    (session 24, results/split_rules_h200*.json)."""
-    narrow = gemv._block_offsets_fit(c.n, c.k) and gemv._gemv6_narrow(c.n, c.k)
-    return not (narrow and (c.dtype != torch.bfloat16 or c.w4a4))
-
-
 def _too_many_blocks(c: Call) -> bool:
     """More blocks than gemv6 / gemv7's 32-bit offsets address (``gemv.GEMV6_MAX_BLOCKS``)."""
     return not gemv._block_offsets_fit(c.n, c.k)
 
 
-def _above_25m_weights(c: Call) -> bool:
-    return c.n * c.k > 6144 * 4096
-
-
 def _mma_ready(c: Call) -> bool:
-    """mma.py takes the rows (``MMA_MAX_M``) and the input, and passed its self-test on the device."""
-    return c.device is not None and MMA_MAX_M >= c.m and mma_unavailable_reason(c.m, c.k, c.dtype, c.device) is None
+    """mma.py takes the input and passed its self-test on the device."""
+    return c.device is not None and mma_unavailable_reason(c.m, c.k, c.dtype, c.device) is None
 
 
-def _sm90(path: str, c: Call, preferred) -> bool:
-    """``preferred(module)`` (its measured rows) and then the sm_90 kernel's guard (which runs its
-    self-test on the device the first time)."""
+def _sm90_module(path: str, c: Call):
+    """The sm_90 Gluon module of ``path`` where it may run on ``c.device`` (a GPU, not the interpreter,
+    Gluon importable), else None."""
     if c.device is None or c.device.type != "cuda" or _common.INTERPRET:
-        return False
+        return None
     try:
-        module = importlib.import_module(f".{path}", __package__)
+        return importlib.import_module(f".{path}", __package__)
     except Exception:  # noqa: BLE001 - Gluon missing or changed in this Triton (the guard says so)
-        return False
-    return preferred(module) and gluon_sm90_reason(path, c.m, c.n, c.k, c.dtype, c.device) is None
+        return None
 
 
-def _wsgemm_preferred(c: Call) -> bool:
-    """wsgemm.py's rule (``wsgemm.preferred``: where its tiles or its split tail fill the SMs; M = 33..128
-    ahead of mma.py and wgmma.py with its 64- / 128-row tiles, results/wsgemm_small_m_h200.json)."""
-    return WSGEMM and _sm90("wsgemm", c, lambda mod: max(mod.MIN_M, WSGEMM_MIN_M) <= c.m and mod.supports(c.m, c.n, c.k)
-                            and mod.preferred(c.m, c.n, c.k, _common._sm_count(c.device), c.w4a4))
+def _wsgemm_fills(c: Call) -> bool:
+    """wsgemm.py's plan for the device's SMs splits the last wave or fills the SMs (``wsgemm.fills``)."""
+    module = _sm90_module("wsgemm", c)
+    return module is not None and module.supports(c.m, c.n, c.k) \
+        and module.fills(c.m, c.n, c.k, _common._sm_count(c.device))
 
 
-def _wgmma_preferred(c: Call) -> bool:
-    """wgmma.py's rows (``wgmma.preferred``: 65 <= M <= 128) where wsgemm.py does not run."""
-    return WGMMA and _sm90("wgmma", c, lambda mod: mod.preferred(c.m, c.n, c.k))
+def _wsgemm_ready(c: Call) -> bool:
+    """wsgemm.py takes the input and passed its self-test on the device (sm_90)."""
+    return _sm90_module("wsgemm", c) is not None and gluon_sm90_reason("wsgemm", *c[:4], c.device) is None
+
+
+def _wgmma_ready(c: Call) -> bool:
+    """wgmma.py takes the input and passed its self-test on the device (sm_90)."""
+    return _sm90_module("wgmma", c) is not None and gluon_sm90_reason("wgmma", *c[:4], c.device) is None
 
 
 def _dot_scaled_ready(c: Call) -> bool:
@@ -120,26 +77,47 @@ def _dot_scaled_ready(c: Call) -> bool:
     return dot_scaled.ready(c.device, "e2m1") is None
 
 
-CONDITIONS = {name[1:]: fn for name, fn in globals().items() if name.startswith("_") and callable(fn)
-              and name[1:] in {w for rule in RULES for w in rule.when}}
+# the conditions of ``rules.RULES``: the device's here, the GEMVs' shape conditions from gemv.py
+CONDITIONS = {**gemv.CONDITIONS, "bf16_below_sm80": _bf16_below_sm80, "too_many_blocks": _too_many_blocks,
+              "mma_ready": _mma_ready, "wsgemm_fills": _wsgemm_fills, "wsgemm_ready": _wsgemm_ready,
+              "wgmma_ready": _wgmma_ready, "dot_scaled_ready": _dot_scaled_ready}
 
 
 def choose(m: int, dtype: torch.dtype, w4a4: bool, k: int = 0, device: Optional[torch.device] = None,
            n: int = 0) -> str:
-    """The path ``RULES`` pick for M rows of ``dtype`` activations times an [N, K] weight on ``device``
-    (W4A4 when ``w4a4``). Its first answer for a Gluon path may run that kernel's self-test there.
+    """The path of the first ``rules.RULES`` row that holds for M rows of ``dtype`` activations times an
+    [N, K] weight on ``device`` (W4A4 when ``w4a4``). Its first answer for a Gluon path may run that
+    kernel's self-test there."""
+    found = rules.first(RULES, Call(m, n, k, dtype, device, w4a4), conditions=CONDITIONS)
+    if found is None:
+        raise AssertionError("the last rule takes every call")
+    return found.path
 
-    The measurements behind the M = 2 rows (``docs/KERNELS.md``): mma.py against gemv6 on layers of 4M
-    weights and more, results/mma_h200_m2.json, m2_small_h200.json; bf16 W4A16 on the narrow layers too
-    since its summing pass became a programmatic dependent (results/split_rules_h200*.json), fp16 (gemv6
-    0.5-6% ahead) and W4A4 (mixed) keep gemv6 there; fp16 takes bf16's rules otherwise
-    (results/gemv_fp16_h200.json)."""
-    call = Call(m, n, k, dtype, device, w4a4)
-    for rule in RULES:
-        if rule.least <= m <= rule.most and rule.w4a4 in (None, w4a4) \
-                and all(CONDITIONS[name](call) for name in rule.when):
-            return rule.path
-    raise AssertionError("the last rule takes every call")
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, w4a4: bool = False,
+         device: Optional[torch.device] = None) -> Plan:
+    """What runs for M rows of ``dtype`` activations times an [N, K] weight on ``device``: the path
+    (``choose``), its tile (``rules.TILES`` through the family's ``config``, completed for the device's SM
+    count; gemv6's path gives ``("gemv7", tile)`` where the streamed-x GEMV runs) and its K split (K per
+    program of mma.py / wgmma.py, gemv6's K segment, wsgemm.py's ``plan``: ``(full tiles, splits, K steps a
+    part, first split weight tile)``; None where a path does not split K)."""
+    path = choose(m, dtype, w4a4, k, device, n)
+    if path == "gemv6":
+        cfg7 = gemv._gemv7_config(m, n, k)
+        if cfg7 is None:
+            cfg = gemv._gemv6_config(m, n, k)
+            return Plan(path, cfg, cfg[3])
+        return Plan(path, ("gemv7", gemv._gemv7_f16_config(n, k, cfg7) if dtype == torch.float16 else cfg7), None)
+    if path == "gemv4":
+        return Plan(path, gemv._gemv4_config(m, n, k), None)
+    if path == "gemm":
+        return Plan(path, rules.tile("gemm", m, n, k), None)
+    if path in ("mma", "wgmma", "wsgemm"):
+        module = importlib.import_module(f".{path}", __package__)
+        sms = _common._sm_count(device)
+        cfg = module.config(m, n, k, sms)
+        return Plan(path, cfg, module.plan(m, n, k, sms, cfg)[:4] if path == "wsgemm" else cfg[4])
+    return Plan(path, None, None)
 
 
 def mma_unavailable_reason(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:

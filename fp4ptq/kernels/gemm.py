@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import NVFP4Tensor
-from . import _common, dispatch, dot_scaled, gemv, quantize_kernel
+from . import _common, dispatch, dot_scaled, gemv, quantize_kernel, rules
 from ._common import (_dequant_kernel, _output_scale, _weight_in_place, _weight_views, cdiv, decode_tile,
                       next_pow2)
 
@@ -107,13 +107,8 @@ BF16_DIRECT = not _common.INTERPRET
 
 def _gemm_config(m: int, n: int, k: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, SWAP_AB]) by
-    shape: the best of the H200 sweeps (benchmarks/results/kernels_h200*.json; M <= 16
-    from run 4, with BF16_DIRECT)."""
-    if m <= 16:
-        return (16, 64, 128, 1, 4, 4) if n >= 16384 else (16, 32, 256, 1, 2, 4)
-    if m <= 64:
-        return 64, 64, 128, 8, 4, 4
-    return 128, 128, 128, 8, 8, 3
+    shape: ``rules.TILES``' gemm rows (the best of the H200 sweeps)."""
+    return rules.tile("gemm", m, n, k)
 
 
 def dequantize(weight: NVFP4Tensor, dtype: torch.dtype, *, unit_global: bool = False) -> torch.Tensor:

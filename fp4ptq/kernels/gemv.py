@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..nvfp4 import BLOCK_SIZE
-from . import _common
+from . import _common, rules
 from ._common import cdiv, next_pow2
 from .gemv_kernels import (  # noqa: F401 - _X_PAIR_* re-exported: the tests run their PTX
     _X_PAIR_HIGH,
@@ -43,56 +43,43 @@ from .gemv_kernels import (  # noqa: F401 - _X_PAIR_* re-exported: the tests run
 # --------------------------------------------------------------------------- #
 
 def _gemv4_config(m: int, n: int, k: int):
-    """(BLOCK_N, BLOCK_B, num_warps) of the fp32 GEMV (rows x blocks of 16 a step):
-    H200 sweeps (runs 3 and 4), 8 x 128 x 4 warps for N < 16384, 16 x 64 x 2 above."""
-    block_n, block_b, warps = (16, 64, 2) if n >= 16384 else (8, 128, 4)
+    """(BLOCK_N, BLOCK_B, num_warps) of the fp32 GEMV (rows x blocks of 16 a step): ``rules.TILES``' gemv4
+    rows, BLOCK_B cut to K's blocks (a power of two)."""
+    block_n, block_b, warps = rules.tile("gemv4", m, n, k)
     return block_n, min(block_b, next_pow2(max(1, k // 16))), warps
 
 
 def _gemv6_config(m: int, n: int, k: int):
     """(ROWS, num_warps, programs per SM, K segment, PREFETCH) of the resident-x
-    GEMV; ``_gemv6`` cuts the programs to whole waves of what the compiled
-    kernel fits on an SM.
+    GEMV: ``rules.TILES``' gemv6 rows (the H200 sweeps behind each are named there)
+    with the K segment (``_segment``), as many warps (1 to the row's most) as give
+    each thread the row's number of the segment's blocks, and, where the row names
+    none, 32768 / segment programs an SM, at most 8. ``_gemv6`` cuts the programs
+    to whole waves of what the compiled kernel fits on an SM."""
+    seg = _segment(n, k)
+    rows, blocks, most, per_sm, prefetch = rules.tile("gemv6", m, n, k, conditions=CONDITIONS)
+    warps = max(1, min(most, next_pow2(max(1, seg // 16)) // (32 * blocks)))
+    return rows, warps, max(1, min(8, 32768 // seg)) if per_sm is None else per_sm, seg, prefetch
 
-    Layers of 64M weights and more (the session-7 H200 sweep,
-    results/gemv6_prefetch_h200.json: 8B.gate_up 24.2 -> 22.6 us, 70B.gate_up
-    80.0 -> 77.2, 70B.down 50.4 -> 46.9): each row tile loaded one step ahead,
-    4 rows on 4 warps, K in segments of its largest power-of-two divisor up to
-    8192 (70B.gate_up runs as one segment), 16 programs per SM when K is split,
-    else 32768 / segment up to 8. Smaller layers keep the session-4 rule
-    (results/sweep_h200_s4_round*.json), where the prefetch did not pay
-    (8B.down, 8B.qkv, 8B.o): segments up to 4096, warps so that each thread
-    holds four blocks of a row (segment / 2048), 8 rows a step for
-    single-segment layers narrower than 16384 and 4 otherwise, 8 programs per
-    SM (16 when K is split). Single-segment layers of at most 8192 rows take 4 rows
-    and 4 programs an SM instead (session 9, interleaved, results/gemv6_small_h200.json:
-    8B.qkv 7.69 -> 7.31 us, 8B.o 6.18 -> 5.92, Qwen2-7B qkv 8.79 -> 6.52, Gemma-2-9B
-    qkv 11.63 -> 8.60; Llama-2-7B qkv (12288 rows) 11.43 -> 11.71 kept the old rule).
-    Smaller layers whose K is split into whole segments of 2048 or more take 8 rows
-    and two blocks of a row a thread (session 11, with the three-operation decode,
-    results/muldec_sweep_h200.json, then muldec_rule_h200_first.json: 8B.down 16.4 ->
-    14.9 us, Phi-3-mini down 10.4 -> 9.8, Gemma-2-9B down level; with a masked last
-    segment or 512-K segments it lost 2-6%: Llama-2-7B down, SmolLM2 down).
-    At M = 1 the narrow single-segment layers (``_gemv6_narrow``) load each row tile
-    one step ahead on twice those warps (two blocks of a row a thread), tuned on weights cold
-    in L2, as decoding reads them (session 20, results/cold_sweep_h200.json, then narrow_ahead_h200.json, interleaved: 8B.qkv
-    8.55 -> 6.99 us cold, 7.18 -> 7.02 warm; 8B.o 6.72 -> 5.49 cold, level warm; 5-26%
-    faster cold on the 11 layers of 7 models timed, warm level or faster but SmolLM2 qkv
-    (+3.6%, 0.1 us); W4A4 alike). At M = 2 it lost 15-20% on 8B qkv / o and Gemma-2-9B o,
-    so M = 2 keeps the session-9 config."""
-    large = n * k >= 1 << 26
-    seg = _gemv6_segment(k, 8192 if large else 4096)
-    kbp = next_pow2(max(1, seg // 16))
-    split = k > seg
-    if large:
-        return 4, max(1, min(4, kbp // 32)), 16 if split else max(1, min(8, 32768 // seg)), seg, True
-    if split and seg >= 2048 and k % seg == 0:
-        return 8, max(1, min(8, kbp // 64)), 16, seg, False
-    narrow = _gemv6_narrow(n, k)
-    if narrow and m == 1:
-        return 4, max(1, min(8, kbp // 64)), 4, seg, True
-    rows = 4 if split or narrow or n >= 16384 else 8
-    return rows, max(1, min(8, kbp // 128)), 16 if split else (4 if narrow else 8), seg, False
+
+def _segment(n: int, k: int) -> int:
+    """gemv6's K segment of an [N, K] layer: ``_gemv6_segment`` under the cap of ``rules.TILES``'
+    "gemv6/segment" rows."""
+    return _gemv6_segment(k, rules.tile("gemv6/segment", 1, n, k))
+
+
+def _whole_2048(c: rules.Call) -> bool:
+    seg = _segment(c.n, c.k)
+    return seg >= 2048 and c.k % seg == 0
+
+
+# the GEMVs' conditions of ``rules.RULES`` / ``TILES`` (named there)
+CONDITIONS = {
+    "gemv6_split": lambda c: c.k > _segment(c.n, c.k),
+    "gemv6_one_segment": lambda c: c.k <= _segment(c.n, c.k),
+    "gemv6_whole_2048": _whole_2048,
+    "gemv7_whole_steps": lambda c: (c.k // BLOCK_SIZE) % 128 == 0,
+}
 
 
 def _gemv6_muldec(n: int, k: int) -> bool:
@@ -186,47 +173,33 @@ GEMV7 = "auto"
 
 def _gemv7_config(m: int, n: int, k: int):
     """(ROWS, num_warps, KC blocks a step, programs per SM, PREFETCH) of the streamed-x
-    GEMV for this shape, or None where gemv6 (x resident) runs. From the session-11
-    H200 sweep (results/gemv7_h200.json, 96 configs a layer, then interleaved rounds):
-    8 rows a tile, 8 programs an SM; where 128-block steps divide K (K a multiple of
-    2048) 2 warps, 128 blocks a step and the next step loaded ahead (70B down 42.2
-    us, 8B down 12.9); else 4 warps, nothing loaded ahead, and the step of 128 or
-    256 blocks that pads K less, 256 on a tie (results/gemv7_masked_h200.json,
-    interleaved, 128 -> 256 blocks: Qwen2-7B down 17.8 -> 16.3 and Llama-2-7B down
-    11.5 -> 10.8 pad alike; Qwen2-72B down 47.3 -> 48.7 and Phi-3-medium down 21.0
-    -> 24.6 pad more with 256)."""
+    GEMV for this shape (``rules.TILES``' gemv7 rows, bf16's), or None where gemv6 (x
+    resident) runs (``_gemv7_preferred``)."""
     if GEMV7 == "0" or (GEMV7 == "auto" and not _gemv7_preferred(n, k)):
         return None
-    kb = k // 16
-    if kb % 128 == 0:
-        return 8, 2, 128, 8, True
-    return 8, 4, 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128, 8, False
+    return _gemv7_tile(rules.tile("gemv7", m, n, k, conditions=CONDITIONS), k)
+
+
+def _gemv7_tile(out: tuple, k: int) -> tuple:
+    """A gemv7 row's tile, KC where it names none the step of 128 or 256 blocks that pads K less (256 on a tie)."""
+    rows, warps, kc, per_sm, prefetch = out
+    kb = k // BLOCK_SIZE
+    if kc is None:
+        kc = 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128
+    return rows, warps, kc, per_sm, prefetch
 
 
 def _gemv7_f16_config(n: int, k: int, cfg: tuple) -> tuple:
     """gemv7's config for fp16 activations, which pay each block's x exponent every step (``_x_pairs_f16``):
-    on layers of 128M weights and more, 16 rows a tile (the exponents shared by twice the rows), 4 warps,
-    4 programs an SM, nothing loaded ahead, and the step of 128 or 256 blocks that pads K less (256 on a
-    tie), else ``cfg`` (bf16's). Session 21, 3 interleaved rounds of 32 configs
-    (results/gemv_fp16_h200_sweep.json, us, bf16's config -> this one): 70B down 49.3 -> 41.4 (bf16 37.5),
-    Qwen2-72B down 50.3 -> 45.9 (128 blocks a step; 256 would pad K more: 52.6); the smaller layers
-    stayed best or level with bf16's (8B down 12.90, Llama-2-7B down 11.50 against 11.42, Qwen2-7B down
-    17.03 against 16.99)."""
-    if n * k < 1 << 27:
-        return cfg
-    kb = k // BLOCK_SIZE
-    return 16, 4, 256 if cdiv(kb, 256) * 2 <= cdiv(kb, 128) else 128, 4, False
+    the fp16 row of ``rules.TILES``' gemv7 rows where it holds (layers of 128M weights and more), else ``cfg``
+    (bf16's)."""
+    found = rules.first(rules.TILES, rules.Call(1, n, k, torch.float16, None, None), "gemv7", CONDITIONS)
+    return _gemv7_tile(found.out, k) if found.dtype == torch.float16 else cfg
 
 
 def _gemv7_preferred(n: int, k: int) -> bool:
-    """Where the streamed-x GEMV replaces gemv6: layers of 32M weights and more whose K
-    gemv6 would split (session 11, interleaved rounds, gemv6 -> gemv7, us: 70B down 47.0
-    -> 42.3, 8B down 15.0 -> 12.9, Qwen2-7B down 21.5 -> 15.3, Llama-2-7B down 14.9 ->
-    10.8, Qwen2-72B down 67.7 -> 46.5). Where K is one segment gemv6 keeps x in registers
-    and stays ahead (70B gate_up 76.5 against 81.9, 8B gate_up 22.0 against 24.7) or level
-    (8B qkv 7.1 / 7.0)."""
-    large = n * k >= 1 << 26
-    return n * k >= 1 << 25 and k > _gemv6_segment(k, 8192 if large else 4096)
+    """Where the streamed-x GEMV replaces gemv6: ``rules.TILES``' "gemv6/gemv7" rows."""
+    return rules.tile("gemv6/gemv7", 1, n, k, conditions=CONDITIONS)
 
 
 def _gemv7(x2, words, sbits, enc, xenc_arg, bias_arg, y, m, n, k, has_bias, x_enc, cfg, slots=(0, 6)):
@@ -248,12 +221,6 @@ def _const_kb(n: int, k: int, rows: int) -> int:
     run-time argument). With K fixed a thread's rows sit at constant distances and its loads take immediate
     offsets (8-10% fewer instructions a step, Triton 3.6 SASS)."""
     return k // BLOCK_SIZE if n % rows == 0 and k % BLOCK_SIZE == 0 else 0
-
-
-def _gemv6_narrow(n: int, k: int) -> bool:
-    """Whether gemv6 runs this layer as narrow single-segment tiles (``_gemv6_config``'s small-layer
-    rule: K one segment, at most 8192 rows, under 64M weights)."""
-    return n * k < 1 << 26 and n <= 8192 and _gemv6_segment(k, 4096) >= k
 
 
 # gemv6 / gemv7 address a row's blocks with 32-bit offsets (row * K/16 + block): layers of up to 2^31

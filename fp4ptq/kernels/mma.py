@@ -52,6 +52,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from . import rules
 from ._common import Launch, cdiv, next_pow2
 from ._gluon import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, FMA_BF16, MAG_MASK, MAG_MASK_F16, _copy,
                      _index, _layouts, _regs, _sync, decide_once, decode_line, decode_mul_lines, operands_aligned,
@@ -248,39 +249,30 @@ MAX_M = 64
 
 def config(m: int, n: int, k: int, sms: int = 132):
     """(BN, BM, BK, warps, K per program, stages) for M <= 64 rows; stages: 0 register
-    prefetch of one step, 1 none, >= 2 a cp.async ring of that many steps.
-
-    The rule the session-5 H200 sweep picked (results/mma_h200.json, M = 16 and
-    64 on six Llama shapes): a 3-step cp.async ring; for M <= 16, 128 rows on
-    4 warps with K steps of 128 (64 rows on 2 warps for layers up to 25M
-    weights), for M > 16 K steps of 64 on 2 warps (the activation operand
-    grows with M); K split until the grid has about three programs per SM,
-    keeping 1024 K or more a program."""
-    bm = max(8, next_pow2(m))
-    if bm <= 16:
-        small = n * k <= 6144 * 4096
-        bn, warps = (64, 2) if small else (128, 4)
-        bk = 128 if k % 128 == 0 else 64
-    else:
-        bn, warps, bk = (128 if n >= 16384 else 64), 2, 64
-    return bn, bm, bk, warps, k_split(n, k, bn, bk, sms), 3
+    prefetch of one step, 1 none, >= 2 a cp.async ring of that many steps. The tile is
+    ``rules.TILES``' mma rows (the session-5 H200 sweep behind them is named there), BM
+    M rounded up to a power of two (8 or more), the K per program ``k_split``'s."""
+    bn, bk, warps, stages, split = rules.tile("mma", m, n, k)
+    return bn, max(8, next_pow2(m)), bk, warps, k_split(n, k, bn, bk, sms, split), stages
 
 
-def k_split(n: int, k: int, bn: int, bk: int, sms: int = 132) -> int:
+def k_split(n: int, k: int, bn: int, bk: int, sms: int, split: tuple) -> int:
     """K per program: K halved until ``cdiv(N, BN)`` row tiles times the splits give
-    about three programs per SM, keeping 1024 K or more (whole K steps) a program.
-    Where halving stops short of one program an SM (K not divisible that way:
-    Qwen2-72B's K = 29568 ran on 64 programs) and K > 1024, K is cut into ranges of
-    whole K steps instead, 512 K or more, for about three programs an SM; the last
-    range may be shorter (``cdiv(K, K per program)`` programs)."""
+    about ``per_sm`` programs per SM (``split``: the row's ``(per_sm, least)``), keeping
+    ``least`` K or more (whole K steps) a program. Where halving stops short of one
+    program an SM (K not divisible that way: Qwen2-72B's K = 29568 ran on 64 programs)
+    and K > ``least``, K is cut into ranges of whole K steps instead, 512 K or more, for
+    about ``per_sm`` programs an SM; the last range may be shorter (``cdiv(K, K per
+    program)`` programs)."""
+    per_sm, least = split
     tiles = cdiv(n, bn)
-    split = 1
-    while tiles * split < 3 * sms and k % (split * 2) == 0 and (k // (split * 2)) % bk == 0 \
-            and k // (split * 2) >= 1024:
-        split *= 2
-    if tiles * split >= sms or k <= 1024:  # (K = 576 layers: the summing launch costs more than it saves)
-        return k // split
-    per = cdiv(cdiv(k, cdiv(3 * sms, tiles)), bk) * bk
+    parts = 1
+    while tiles * parts < per_sm * sms and k % (parts * 2) == 0 and (k // (parts * 2)) % bk == 0 \
+            and k // (parts * 2) >= least:
+        parts *= 2
+    if tiles * parts >= sms or k <= least:  # (K = 576 layers: the summing launch costs more than it saves)
+        return k // parts
+    per = cdiv(cdiv(k, cdiv(per_sm * sms, tiles)), bk) * bk
     return min(k, max(512, per))
 
 

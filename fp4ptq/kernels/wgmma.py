@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from . import rules
 from ._common import Launch, cdiv
 from ._gluon import (_DECODE_CONSTRAINTS, DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _bits, _copy,
                      _index, _layouts, _sync, decide_once, decode_line, decode_mul_line, product_check, run_once,
@@ -277,29 +278,29 @@ def _wgmma_kernel(
 
 
 def config(m: int, n: int, k: int, sms: int = 132):
-    """(BN, BM, BK, warps, K per program, ring stages, wgmma wait depth, register cap).
-    Wait depth 1 leaves a step's MMA in flight during the next step's decode; a
-    register cap of 128 (0: the compiler's choice) fits two CTAs of 8 warps an SM."""
-    bk = 128 if k % 256 == 0 else 64
-    if m <= 128:  # run v2: 64-row tiles and no wait depth were best up to M = 128 on most layers
-        return 128, 64, bk, 8, k_split(m, n, k, 128, 64, bk, sms), 3, 0, 0
-    return 128, 128, bk, 8, k_split(m, n, k, 128, 128, bk, sms), 2, 1, 0
+    """(BN, BM, BK, warps, K per program, ring stages, wgmma wait depth, register cap):
+    ``rules.TILES``' wgmma rows, the K per program ``k_split``'s. Wait depth 1 leaves a
+    step's MMA in flight during the next step's decode; a register cap of 128 (0: the
+    compiler's choice) fits two CTAs of 8 warps an SM."""
+    bn, bm, bk, warps, stages, wait, maxnreg, split = rules.tile("wgmma", m, n, k)
+    return bn, bm, bk, warps, k_split(m, n, k, bn, bm, bk, sms, split), stages, wait, maxnreg
 
 
-def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int = 132) -> int:
-    """K per program: K halved while the grid has fewer programs than SMs,
-    keeping 512 K or more (an even number of K steps) a program; where halving
-    stops short of one program an SM (K not divisible that way), ranges of
-    whole step pairs, 512 K or more, for about one program an SM, the last one
-    possibly shorter (``cdiv(K, K per program)`` programs)."""
+def k_split(m: int, n: int, k: int, bn: int, bm: int, bk: int, sms: int, split: tuple) -> int:
+    """K per program: K halved while the grid has fewer than ``per_sm`` programs an SM
+    (``split``: the row's ``(per_sm, least)``), keeping ``least`` K or more (an even number
+    of K steps) a program; where halving stops short of one program an SM (K not divisible
+    that way), ranges of whole step pairs, 512 K or more, for about ``per_sm`` programs an
+    SM, the last one possibly shorter (``cdiv(K, K per program)`` programs)."""
+    per_sm, least = split
     tiles = cdiv(n, bn) * cdiv(m, bm)
-    split = 1
-    while tiles * split < sms and k % (split * 2) == 0 and (k // (split * 2)) % (2 * bk) == 0 \
-            and k // (split * 2) >= 512:
-        split *= 2
-    if tiles * split >= sms or k // split <= 512:
-        return k // split
-    per = cdiv(cdiv(k, cdiv(sms, tiles)), 2 * bk) * 2 * bk
+    parts = 1
+    while tiles * parts < per_sm * sms and k % (parts * 2) == 0 and (k // (parts * 2)) % (2 * bk) == 0 \
+            and k // (parts * 2) >= least:
+        parts *= 2
+    if tiles * parts >= sms or k // parts <= least:
+        return k // parts
+    per = cdiv(cdiv(k, cdiv(per_sm * sms, tiles)), 2 * bk) * 2 * bk
     return min(k, max(512, per))
 
 
@@ -308,17 +309,11 @@ def supports(m: int, n: int, k: int) -> bool:
     return m > 0 and n > 0 and k % 128 == 0
 
 
-# Rows for which the H200 runs (results/wgmma_h200_v3.json, six Llama-3.1 8B/70B layers) had this kernel
-# ahead of the dispatch's other paths: at M = 128 1.05-1.37x dequantize + cuBLAS on all six; at M = 64
-# level with mma.py (0.97-1.04x: mma.py stays); at M = 256 and 1024 0.3-0.45x cuBLAS, behind dequantize +
-# cuBLAS everywhere. M in 65..127 was not timed: it runs the same two 64-row tiles as M = 128.
-MIN_M, MAX_M = 65, 128
-
-
 def preferred(m: int, n: int, k: int) -> bool:
-    """The shape rule for the dispatch: 64 < M <= 128 and K % 128 == 0 (bf16 or
-    fp16 activations, after ``ready(device)`` answered None)."""
-    return MIN_M <= m <= MAX_M and supports(m, n, k)
+    """The shape rule for the dispatch: ``rules.RULES``' wgmma rows (65 <= M <= 128) and K % 128 == 0
+    (bf16 or fp16 activations, after ``ready(device)`` answered None)."""
+    return supports(m, n, k) and rules.first(rules.RULES, rules.Call(m, n, k, None, None, False), "wgmma",
+                                             {"wgmma_ready": lambda c: True}) is not None
 
 
 def check_config(m: int, k: int, cfg: tuple) -> Optional[str]:
@@ -405,5 +400,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, "the wgmma path")
 
 
-__all__ = ["MAX_M", "MIN_M", "disable", "check_config", "config", "k_split", "launches", "logical_to_actual", "matmul", "preferred",
+__all__ = ["disable", "check_config", "config", "k_split", "launches", "logical_to_actual", "matmul", "preferred",
            "ready", "supports"]

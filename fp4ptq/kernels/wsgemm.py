@@ -80,6 +80,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from . import rules
 from ._common import Launch, cdiv
 from ._gluon import (DECODE_SHIFTS, DECODE_SHIFTS_F16, MAG_MASK, MAG_MASK_F16, _index, _sync, aligned_operands,
                      decide_once, decode_line, decode_mul_lines, product_check, sm90_reason, stop_using)
@@ -477,44 +478,11 @@ def _ws_kernel(x_desc, w_desc, s_desc, wenc_ptr, xenc_ptr, bias_ptr, y_ptr, part
                                  BN, WARPS)
 
 
-# (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers, register cap a thread at launch)
-DEFAULT_CONFIG = (256, 128, 64, 4, 2, 4, 128, 168)
-
-
-# At M <= 128 (session 22, results/wsgemm_small_m_h200.json, six Llama-3.1 layers, 3 interleaved rounds):
-# the 128 x 128 tile at M = 65..128 (one row tile: every weight decoded once) 1.20-1.62x faster than
-# wgmma.py (70B gate_up at M = 128 295 us against 479, 8B gate_up 85 against 131); the 64-row tile (one
-# consumer warpgroup, 128 registers, 86 KB: two CTAs an SM, so two decoders) at M = 33..64 1.02-1.45x
-# faster than mma.py, whose tile is 64 rows there too (8B gate_up 53 us against 77, ahead of cuBLAS's 62).
-# BK = 128 (5-30%), 8 decoder warps (2-4%) and 64-weight-row tiles (5-100%) were slower; the 256-row
-# tile stays ahead from M = 129 on (192 and 256 measured).
-SMALL_M_CONFIG = (128, 128, 64, 4, 2, 4, 128, 168)
-TINY_M_CONFIG = (64, 128, 64, 4, 2, 4, 96, 128)
-# 256 weight rows at M = 65..128 (session 26, results/wsgemm_n256_h200.json): each consumer warpgroup reads the
-# decoded tile once a k16 (m64n256k16) for twice the work, about 18% less shared-memory traffic a FLOP; half
-# the tiles. Where its plan filled 0.7 of the SMs or more it was 10-20% faster than the 128 x 128 tile
-# (8B gate_up at M = 128 85.2 -> 67.9 us, 70B gate_up 291.9 -> 263.8, 70B down 147.9 -> 132.2: ahead of cuBLAS
-# bf16 on all three); where it does not (8B o / down: fill 0.3-0.42) 35-50% slower, 8B qkv (0.4) level.
-# Between (session 27, results/wsgemm_dec8_small_h200.json): Qwen2-7B gate_up (fill 0.76-0.78) 12% faster
-# (89.3 -> 78.5 us at M = 128), Llama-2-7B gate_up (0.65) level (+2% / +0.2%), 8B gate (0.56-0.6) 1-4% slower.
-# Session 28 (results/wsgemm_narrow_h200.json with the rows above): on 14 rows at M = 80..128 the measured time
-# ratio of the two tiles was 1.37-1.53 (mean 1.42) times the ratio of their plans' spans in K steps (``_steps``),
-# from Phi-3-mini qkv (wide 11-20% faster at a fill of 0.42-0.49) to the narrow layers (wide 37-46% slower at equal
-# spans). So the wide tile where WIDE_STEP_COST times its span is under WIDE_GAIN of the 128 x 128 tile's. On 18
-# rows timed after (results/wsgemm_wide_rule_h200.json) the factor read 1.37-1.54; of the 32 rows, a gain of 0.95
-# leaves one with the wide tile >3% faster unpicked and picks it on one where it is 2.8% slower (0.9: 7 and 0):
-# Qwen2-72B / Llama-3.1-70B qkv 19-20% faster with it at M = 65..128, 70B o 8-17%, Phi-3-mini qkv 11-16%.
-WIDE_M_CONFIG = (128, 256, 64, 4, 2, 4, 128, 168)
-WIDE_STEP_COST, WIDE_GAIN = 1.42, 0.95
-# Above M = 128 the same tile against the 256 x 128 one: both hold 32K outputs, but they round M up to 128 or to
-# 256, so at M = 257..384, 513..640, 769..896 the wide tile can need fewer tiles or waves. Session 29
-# (results/wsgemm_wide_big_h200.json, nine layers of five models at M = 384 / 512 / 640 / 896, 3 interleaved
-# rounds): on all 36 rows the time ratio of the two tiles was 1.09-1.32 (mean 1.20) times their span ratio (a
-# wide step decodes twice the weight rows for the same MMA work). With WIDE_GAIN, one row faster by more than 3%
-# is left unpicked (8B gate_up at 384, 4%) and one slower is picked (Phi-3-mini qkv at 896, +4%): Llama-2-7B
-# gate_up at M = 384 160.5 -> 133.5 us, Phi-3-mini qkv 56.3 -> 48.2, Qwen2-72B qkv 140.3 -> 125.8, Qwen2-7B down
-# 118.8 -> 106.5, Phi-3-mini down at 640 81.3 -> 72.7.
-WIDE_BIG_STEP_COST = 1.2
+# The tiles of ``rules.TILES``' wsgemm rows (BM, BN, BK, XSTAGES, BSTAGES, decoder warps, decoder registers,
+# register cap a thread at launch): 256 x 128 from M = 129, 128 x 128 at 65..128, 64 x 128 below, and the
+# 128 x 256 tile where its plan's span is the shorter (``config``); the measurements are named there
+DEFAULT_CONFIG, SMALL_M_CONFIG, TINY_M_CONFIG = rules.WS_256x128, rules.WS_128x128, rules.WS_64x128
+WIDE_M_CONFIG = rules.WS_128x256
 WIDE_SMALL_M = True
 
 
@@ -525,62 +493,20 @@ def _steps(m: int, n: int, k: int, sms: int, cfg: tuple) -> float:
 
 
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple:
-    """The tile by M: 256 activation rows x 128 weight rows x 64 K from M = 129 (two consumer warpgroups
-    of 128 x 128 fp32 accumulators; run v2: 7-9% ahead of 128 x 256, which decodes twice the weights a
-    FLOP), 128 rows at M = 65..128 and 64 rows (one consumer warpgroup, two CTAs an SM) below; a 4-step
-    TMA ring and 2 decoded tiles; 128 x 256 (``WIDE_M_CONFIG``) instead where its plan's span, at
-    WIDE_STEP_COST a step (M = 65..128) or WIDE_BIG_STEP_COST (above), is under WIDE_GAIN of the 128 x 128 (or
-    256 x 128) tile's."""
-    if m <= 64:
-        return TINY_M_CONFIG
-    narrow, cost = (SMALL_M_CONFIG, WIDE_STEP_COST) if m <= 128 else (DEFAULT_CONFIG, WIDE_BIG_STEP_COST)
-    if WIDE_SMALL_M and cost * _steps(m, n, k, sms, WIDE_M_CONFIG) < WIDE_GAIN * _steps(m, n, k, sms, narrow):
+    """The tile by M (``rules.TILES``' wsgemm rows: 256 activation rows x 128 weight rows x 64 K from M = 129,
+    two consumer warpgroups of 128 x 128 fp32 accumulators; 128 rows at M = 65..128 and 64 rows, one consumer
+    warpgroup and two CTAs an SM, below; a 4-step TMA ring and 2 decoded tiles); 128 x 256 (``WIDE_M_CONFIG``)
+    instead where its plan's span, at the row's cost a K step, is under ``rules.WS_WIDE_GAIN`` of the row's
+    tile's."""
+    narrow, cost = rules.tile("wsgemm", m, n, k)
+    if cost and WIDE_SMALL_M and \
+            cost * _steps(m, n, k, sms, WIDE_M_CONFIG) < rules.WS_WIDE_GAIN * _steps(m, n, k, sms, narrow):
         return WIDE_M_CONFIG
     return narrow
 
 
-# Rows for which the H200 runs v4 and "rule" (results/wsgemm_h200_v4.json, wsgemm_h200_rule.json: six
-# Llama-3.1 8B/70B layers at M = 256, 512, 768, 1024, 1536, 2048) had this kernel ahead of dequantize +
-# cuBLAS: every row whose tiles fill at least 80% of the SMs over their waves, up to M = 1024 (1.03-1.6x;
-# at M = 1024 0.84-0.90x cuBLAS bf16); behind where a partial wave idles SMs (8B qkv at M = 1024: 192
-# tiles on 132 SMs, 0.85x; 8B o / down at M = 256-768) and from M = 1536 on most layers (the separate
-# decode pass is amortized over more rows there). At M = 129 the 256-row tile costs what it costs at
-# M = 256, and dequantize + cuBLAS at least its M = 128 time, which is more on the two layers the rule
-# admits there (8B gate_up 159.5 against 119.0 us, 70B gate_up 623.3 against 446.2). Below M = 129 the
-# small tiles (``config``) replace mma.py (33..64) and wgmma.py (65..128) on the rows the same rule
-# admits; M <= 32 stays on mma.py (its 32-row tile, not timed against these).
-MIN_M, MAX_M = 33, 1024  # 33..128: the small tiles above
-# ... on layers of 4096 rows and more, the narrowest measured there. In a whole Llama-3.1-8B-shaped model
-# at B = 64 (results/e2e_decode_h200_b64_128_{before,after}.json) the unfused model's NVFP4 kernels took
-# 1.4% more GPU time than before, the fused model's 17% less; of the layers only the unfused model has,
-# k / v (1024 rows, never timed alone) are the likeliest to have lost, so they keep mma.py / wgmma.py
-MIN_N_SMALL_M = 4096
-MIN_WAVE_FILL = 0.8  # measured wins filled 0.85-0.97, losses 0.73 or less
-# W4A4 (results/wsgemm_h200_split.json, "w4a4big"): the cuBLAS path also scales its output in a second
-# pass, so this kernel stays ahead further: at M = 1536..8192 on the K = 4096 layers (8B o at 8192: 530
-# against 543 us), at M = 1536 / 2048 on the others (70B down level: 1227 / 1599 against 1222 / 1590),
-# and behind from M = 4096 where K >= 8192 (70B down at 8192: 6983 against 5970)
-MAX_M_W4A4, MAX_M_W4A4_LONG_K = 8192, 2048
-# the measured layers' K (4096-28672); with fewer K steps the ring's fill and the epilogue take a larger share.
-# K = 3072 / 3584 (results/wsgemm_h200_shortk.json, Qwen2-7B, Gemma-2-9B, Phi-3-mini at M = 256 / 1024):
-# ahead of or level with dequantize + cuBLAS on the layers of 8192 rows and more (Qwen2-7B gate_up at 256:
-# 126.9 against 207.0 us; Gemma-2-9B qkv at 1024: 100.3 against 108.3), behind on narrower ones (Phi-3-mini
-# o at 256: 21.9 against 17.0; Qwen2-7B qkv at 1024: 68.8 against 59.9), so those need K >= 4096
-MIN_K = 4096
-MIN_K_WIDE, MIN_N_WIDE = 3072, 8192
-# M = 65..128 with the 128-row tiles on narrower layers (results/wsgemm_narrow_h200.json, M = 80 / 96 / 128, 3
-# interleaved rounds): ahead of wgmma.py (whose 64-row tiles decode every weight twice at M = 128) on every
-# layer measured from 3072 rows and K = 3072 on, whatever the plan's fill (0.19-0.74): Qwen2-7B qkv 27.1 ->
-# 18.6 us at M = 128, Qwen2-7B down 87.5 -> 54.2, Llama-2-7B qkv 54.9 -> 39.6, Gemma-2-9B o 19.7 -> 17.3, Phi-3-mini
-# o 16.6 -> 15.9 (the least); behind at 1024 rows (8B k at M = 128: 15.9 against 11.6, session 23)
-MIN_N_MID, MIN_K_MID = 3072, 3072
-# M = 129..256 (one 256-row tile a weight tile) on layers of at least 3584 rows and K >= 3584, whatever the plan
-# (results/wsgemm_mid_m_h200.json, against dequantize + cuBLAS, which pays its decode pass whatever M): Qwen2-72B
-# qkv at M = 256 (whole tiles filling 0.61) 127.1 -> 97.1 us, Qwen2-7B qkv at 192 / 256 28.8 / 27.3 -> 23.5 / 24.4,
-# Qwen2-7B o 24.1 / 22.2 -> 20.8 / 21.9; behind on Phi-3-mini o (3072 x 3072) and, from M = 384, on the K = 3584 layers.
-# Also the wide layers of K = 3072 (MIN_K_WIDE, MIN_N_WIDE; session 29, results/wsgemm_phi_gemma_h200.json): Phi-3-mini
-# qkv (9216 x 3072, a plan filling 0.55) at M = 160 / 192 / 256 47.4 / 49.2 / 46.1 -> 38.3 / 38.4 / 38.5 us
-MAX_M_ANY_FILL, MIN_NK_ANY_FILL = 256, 3584
+# on layers narrower than this, M = 33..128 keeps mma.py / wgmma.py (``rules.RULES``)
+MIN_N_SMALL_M = rules.WSGEMM_MIN_N_SMALL_M
 
 # The split tail (``plan``). Costs in K steps of one SM: a program's ring fill and epilogue cost about
 # PROGRAM_STEPS steps beside its own; the summing launch about SUM_STEPS plus one step per SUM_BYTES_A_STEP
@@ -720,26 +646,20 @@ def _summing_state(device: torch.device, n_split: int, table: tuple, own: bool):
 
 
 def preferred(m: int, n: int, k: int, sms: int = 132, w4a4: bool = False) -> bool:
-    """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 64 == 0 and
-    K >= 4096 (>= 3072 on layers of 8192 rows and more), M from 33 to 1024 (W4A4: to 2048, and to
-    8192 where K <= 4096; 33..128 with ``config``'s small tiles, on layers of MIN_N_SMALL_M rows and
-    more), and a ``plan`` (for M's tile) that either splits the last wave's tiles or fills at least 80%
-    of the SMs with whole tiles (results/wsgemm_h200_split.json, wsgemm_h200_shortk.json,
-    wsgemm_small_m_h200.json: ahead of or level with the path it replaces on every such row). At
-    M = 65..128 also every layer of MIN_N_MID rows and K >= MIN_K_MID, at any fill (wsgemm_narrow_h200.json),
-    and at M = 129..MAX_M_ANY_FILL every layer of MIN_NK_ANY_FILL rows and K (wsgemm_mid_m_h200.json), or of
-    MIN_N_WIDE rows and K >= MIN_K_WIDE (wsgemm_phi_gemma_h200.json)."""
-    top = (MAX_M_W4A4_LONG_K if k > 4096 else MAX_M_W4A4) if w4a4 else MAX_M
-    if 64 < m <= 128 and n >= MIN_N_MID and k >= MIN_K_MID and supports(m, n, k):
-        return True
-    if 128 < m <= MAX_M_ANY_FILL and (min(n, k) >= MIN_NK_ANY_FILL or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)) \
-            and supports(m, n, k):
-        return True
-    long_enough = k >= MIN_K or (k >= MIN_K_WIDE and n >= MIN_N_WIDE)
-    if not (MIN_M <= m <= top and long_enough and supports(m, n, k)) or (m <= 128 and n < MIN_N_SMALL_M):
-        return False
+    """The shape rule for the dispatch (after ``ready(device)`` answered None): K % 64 == 0 and a wsgemm row
+    of ``rules.RULES`` (M, N and K ranges, W4A4; where the row asks, ``fills``: the plan for ``sms`` SMs
+    splits the last wave or fills ``rules.WSGEMM_MIN_FILL`` of the SMs). The measurements behind each row
+    are named there."""
+    return supports(m, n, k) and rules.first(
+        rules.RULES, rules.Call(m, n, k, None, None, w4a4), "wsgemm",
+        {"wsgemm_fills": lambda c: fills(m, n, k, sms), "wsgemm_ready": lambda c: True}) is not None
+
+
+def fills(m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Whether the plan of M's tile for ``sms`` SMs splits the last wave's tiles or fills at least
+    ``rules.WSGEMM_MIN_FILL`` of the SMs with whole tiles."""
     _, splits, _, _, fill = plan(m, n, k, sms, config(m, n, k, sms))
-    return splits > 1 or fill >= MIN_WAVE_FILL
+    return splits > 1 or fill >= rules.WSGEMM_MIN_FILL
 
 
 def supports(m: int, n: int, k: int) -> bool:
@@ -940,5 +860,5 @@ def disable(device: torch.device, reason: str) -> None:
     stop_using(_READY, _index(device), reason, _LABEL)
 
 
-__all__ = ["WIDE_M_CONFIG", "WIDE_BIG_STEP_COST", "WIDE_STEP_COST", "WIDE_GAIN", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MAX_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "MIN_K", "MIN_M", "check_config", "config", "decode_asm", "disable", "launches", "matmul",
+__all__ = ["WIDE_M_CONFIG", "WIDE_SMALL_M", "swapped", "summing_plan", "DEFAULT_CONFIG", "MIN_N_SMALL_M", "SMALL_M_CONFIG", "TINY_M_CONFIG", "check_config", "fills", "config", "decode_asm", "disable", "launches", "matmul",
            "plan", "preferred", "ready", "supports"]
