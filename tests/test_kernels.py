@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -1057,6 +1058,46 @@ def test_small_m_dispatch_picks_the_gemv_by_dtype(tk, monkeypatch):
     for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16)):
         gm.linear_w4a16(torch.randn(m, 64).to(dtype), wq)
     assert seen == ["_gemv_resident_kernel", "_gemv_resident_kernel", "_gemm_kernel"]
+
+
+def test_dispatch_plan_gives_the_recorded_path_tile_and_split():
+    """``dispatch.plan`` (the rule tables of ``rules.py`` read against an H200 and an A100) gives every row of
+    ``tests/data/dispatch_table.json``: the path, tile and split the dispatch picked for the README's and the
+    model zoo's layers before the tile rules became table rows."""
+    pytest.importorskip("triton.experimental.gluon")
+    import json
+
+    import test_ptx_hashes as ph
+    from fp4ptq.kernels import wsgemm
+
+    got = {}
+    for arch in ph.ARCHS:
+        with ph._device(arch) as device:
+            for layers, ms in ((ph.README_LAYERS, ph.README_MS), (ph.ZOO_LAYERS, ph.ZOO_MS)):
+                for (layer, (n, k)), (dname, dtype), w4a4 in itertools.product(layers.items(), ph.DTYPES.items(),
+                                                                               (False, True)):
+                    rows = []
+                    for m in ms:
+                        path, tile, split = dp.plan(m, n, k, dtype, w4a4, device)
+                        cfg = (tile, split, wsgemm.swapped(tile)) if path == "wsgemm" else tile
+                        rows.append(f"M{m}: {path} {'' if cfg is None else cfg}".strip())
+                    got[f"sm_{arch}/{layer}/{'w4a4' if w4a4 else 'w4a16'}/{dname}"] = " | ".join(rows)
+    assert got == json.loads(ph.DISPATCH_FILE.read_text())
+
+
+def test_rule_tables_name_known_conditions_and_give_a_tile_for_every_shape():
+    """Every condition a row of ``rules.RULES`` / ``TILES`` names is one its reader passes, and every path of
+    ``TILES`` has a row for any M, N and K (the last rules take what the others leave)."""
+    from fp4ptq.kernels import rules
+
+    assert {w for r in rules.RULES for w in r.when} <= set(dp.CONDITIONS)
+    assert {w for r in rules.TILES for w in r.when} <= set(gv.CONDITIONS)
+    for path in {r.path for r in rules.TILES}:
+        for m, n, k in itertools.product((1, 2, 17, 64, 65, 129, 8192), (8, 16384, 1 << 20), (16, 4160, 1 << 16)):
+            assert rules.tile(path, m, n, k, torch.float16, gv.CONDITIONS) is not None
+    assert rules.first(rules.RULES, rules.Call(1, 8, 16, torch.float32, None, False), conditions=dp.CONDITIONS)
+    with pytest.raises(ValueError, match="no mma tile"):
+        rules.tile("mma", -1, 8, 16)
 
 
 @interpreted
