@@ -60,12 +60,12 @@ def _wsgemm_fills(c: Call) -> bool:
 
 def _wsgemm_ready(c: Call) -> bool:
     """wsgemm.py takes the input and passed its self-test on the device (sm_90)."""
-    return _sm90_module("wsgemm", c) is not None and gluon_sm90_reason("wsgemm", *c[:4], c.device) is None
+    return c.device is not None and gluon_sm90_reason("wsgemm", *c[:4], c.device) is None
 
 
 def _wgmma_ready(c: Call) -> bool:
     """wgmma.py takes the input and passed its self-test on the device (sm_90)."""
-    return _sm90_module("wgmma", c) is not None and gluon_sm90_reason("wgmma", *c[:4], c.device) is None
+    return c.device is not None and gluon_sm90_reason("wgmma", *c[:4], c.device) is None
 
 
 def _dot_scaled_ready(c: Call) -> bool:

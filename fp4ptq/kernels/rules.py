@@ -55,20 +55,36 @@ def first(rows: tuple, call: Call, path: Optional[str] = None, conditions: Optio
     in its ranges, K a multiple of its ``kdiv``, its dtype and W4A16 / W4A4 (where it names them), then
     each condition of ``when`` in order (``conditions[name](call)``; a device's self-test runs only where
     everything before it holds). None where no row holds."""
-    for r in rows:
-        if (path is None or r.path == path) and r.m[0] <= call.m <= r.m[1] and r.n[0] <= call.n <= r.n[1] \
-                and r.k[0] <= call.k <= r.k[1] and r.nk[0] <= call.n * call.k <= r.nk[1] and call.k % r.kdiv == 0 \
-                and r.dtype in (None, call.dtype) and r.w4a4 in (None, call.w4a4) \
-                and all(conditions[name](call) for name in r.when):
+    cm, cn, ck, cdtype, _, cw4a4 = call
+    cnk = cn * ck
+    for r in rows:  # (unpacked: the eager calls' host time)
+        rpath, (m0, m1), (n0, n1), (k0, k1), (nk0, nk1), kdiv, dtype, w4a4, when, _ = r
+        if m0 <= cm <= m1 and (path is None or rpath == path) and n0 <= cn <= n1 and k0 <= ck <= k1 \
+                and nk0 <= cnk <= nk1 and ck % kdiv == 0 and (dtype is None or dtype == cdtype) \
+                and (w4a4 is None or w4a4 == cw4a4) and all(conditions[name](call) for name in when):
             return r
     return None
 
 
+_TILES_OF: dict = {}  # (id of TILES, path) -> that path's rows
+_TILE: dict = {}      # (path, M, N, K, dtype, id of TILES, id of the conditions) -> its row: the launches' host time
+
+
 def tile(path: str, m: int, n: int, k: int, dtype: Optional[torch.dtype] = None, conditions: Optional[dict] = None):
-    """``out`` of the first ``TILES`` row of ``path`` for M rows of ``dtype`` times an [N, K] weight."""
-    found = first(TILES, Call(m, n, k, dtype, None, None), path, conditions)
+    """``out`` of the first ``TILES`` row of ``path`` for M rows of ``dtype`` times an [N, K] weight (the
+    conditions of ``TILES`` are the GEMVs' shape conditions, so the answer is kept for the shape)."""
+    key = (path, m, n, k, dtype, id(TILES), id(conditions))
+    found = _TILE.get(key)
     if found is None:
-        raise ValueError(f"no {path} tile in rules.TILES for M={m}, N={n}, K={k}")
+        rows = _TILES_OF.get((id(TILES), path))
+        if rows is None:
+            rows = _TILES_OF[(id(TILES), path)] = tuple(r for r in TILES if r.path == path)
+        found = first(rows, Call(m, n, k, dtype, None, None), path, conditions)
+        if found is None:
+            raise ValueError(f"no {path} tile in rules.TILES for M={m}, N={n}, K={k}: a row for it is missing")
+        if len(_TILE) >= 1 << 16:
+            _TILE.clear()
+        _TILE[key] = found
     return found.out
 
 
