@@ -27,43 +27,78 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-ONE = r'''
-import json, sys, tempfile, warnings, torch
-warnings.simplefilter("ignore")
-from transformers import AutoConfig, AutoModelForCausalLM
-import fp4ptq
-from fp4ptq import QuantConfig
-model_type, small = sys.argv[1], json.loads(sys.argv[2])
-stage = "config"
-try:
-    config = AutoConfig.for_model(model_type, **small)
-    stage = "build"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(0, min(int(getattr(config, "vocab_size", 128) or 128), 128), (2, 16))
-    with torch.no_grad():
-        model(ids)
-    for method in ("rtn", "gptq"):
-        stage = f"quantize {method}"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        fp4ptq.quantize(model, QuantConfig(method=method), ids, progress=False)
-        with torch.no_grad():
-            expected = model(ids).logits
-        stage = f"save {method}"
-        with tempfile.TemporaryDirectory() as d:
-            fp4ptq.save(model, d + "/ckpt")
-            stage = f"load {method}"
-            loaded = fp4ptq.load(d + "/ckpt", device="cpu", dtype=torch.float32)
+# Multimodal types whose vision tower defaults to a full-size one (SigLIP-400M for Gemma 3: it timed out):
+# a small one, and the text sizes given to their text config (the top-level keys do not reach it).
+_TEXT = {k: v for k, v in SMALL.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+PER_TYPE = {
+    # families whose config names its sizes otherwise (the defaults are full-size models: they timed out)
+    "cpmant": dict(SMALL, dim_head=16, dim_ff=96, position_bias_num_buckets=32, position_bias_max_distance=64,
+                   prompt_length=4),
+    "hy_v4": dict(SMALL, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                  v_head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=8, n_shared_experts=1),
+    "gemma3": dict(text_config=_TEXT, mm_tokens_per_image=4,
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=32, patch_size=8)),
+}
+
+
+def check_type(model_type: str, small: dict | None = None, methods=("rtn", "gptq")) -> dict:
+    """One model type, in this process: a tiny random model of its config class (``small``, default
+    PER_TYPE's or SMALL), quantized with each method (W4A16), saved, loaded back with the same logits.
+    ``{"ok": True, "quantized": n, "kept": {name: reason}}`` or ``{"ok": False, "stage", "error"}``."""
+    import traceback
+    import warnings
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fp4ptq
+    from fp4ptq import QuantConfig
+
+    small = small if small is not None else PER_TYPE.get(model_type, SMALL)
+    stage = "config"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.for_model(model_type, **small)
+            stage = "build"
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            vocab = min(int(getattr(config, "vocab_size", 128) or 128), 128)
+            ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
-                got = loaded(ids).logits
-        if not torch.equal(got, expected):
-            raise AssertionError(f"logits after loading differ by {float((got - expected).abs().max()):.3g}")
-    info = model.fp4ptq_info
-    print(json.dumps({"ok": True, "quantized": len(info["layers"]),
-                      "kept": {k: v for k, v in info["high_precision"].items() if k != "lm_head"}}))
-except Exception as exc:  # noqa: BLE001 - the sweep records every failure
-    print(json.dumps({"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
+                model(ids)
+            for method in methods:
+                stage = f"quantize {method}"
+                torch.manual_seed(0)
+                model = AutoModelForCausalLM.from_config(config).eval()
+                fp4ptq.quantize(model, QuantConfig(method=method), ids, progress=False)
+                with torch.no_grad():
+                    expected = model(ids).logits
+                stage = f"save {method}"
+                with tempfile.TemporaryDirectory() as d:
+                    fp4ptq.save(model, d + "/ckpt")
+                    stage = f"load {method}"
+                    loaded = fp4ptq.load(d + "/ckpt", device="cpu", dtype=torch.float32)
+                    with torch.no_grad():
+                        got = loaded(ids).logits
+                if not torch.equal(got, expected):
+                    raise AssertionError(f"logits after loading differ by {float((got - expected).abs().max()):.3g}")
+        info = model.fp4ptq_info
+        return {"ok": True, "quantized": len(info["layers"]),
+                "kept": {k: v for k, v in info["high_precision"].items() if k != "lm_head"}}
+    except Exception as exc:  # noqa: BLE001 - the sweep records every failure
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f" (at {'/'.join(Path(frame.filename).parts[-2:])}:{frame.lineno})"
+        return {"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {str(exc)[:300]}{where}"}
+
+
+# Each type in its own process (a hang or crash is recorded, not fatal).
+ONE = r'''
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from model_types_sweep import check_type
+print(json.dumps(check_type(sys.argv[1], json.loads(sys.argv[2]))))
 '''
 
 
@@ -73,16 +108,27 @@ def causal_lm_types() -> list:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _tail(stderr, lines: int = 6) -> str:
+    """The last lines of a crashed or timed-out run's stderr (its cause), one line of text."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    kept = [ln.strip() for ln in (stderr or "").strip().splitlines() if ln.strip()][-lines:]
+    return " / ".join(kept)[-600:] or "(empty)"
+
+
 def run_one(model_type: str, timeout: float) -> dict:
     started = time.perf_counter()
     try:
-        out = subprocess.run([sys.executable, "-c", ONE, model_type, json.dumps(SMALL)], capture_output=True,
-                             text=True, timeout=timeout)
+        out = subprocess.run([sys.executable, "-c", ONE, model_type, json.dumps(PER_TYPE.get(model_type, SMALL)),
+                              str(HERE)],
+                             capture_output=True, text=True, timeout=timeout)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-        result = json.loads(lines[-1]) if lines else {"ok": False, "stage": "process",
-                                                      "error": out.stderr.strip().splitlines()[-1:]}
-    except subprocess.TimeoutExpired:
-        result = {"ok": False, "stage": "process", "error": f"timed out after {timeout:.0f} s"}
+        result = json.loads(lines[-1]) if lines else {
+            "ok": False, "stage": "process",
+            "error": f"exit status {out.returncode} with no result; stderr: {_tail(out.stderr)}"}
+    except subprocess.TimeoutExpired as exc:
+        result = {"ok": False, "stage": "process",
+                  "error": f"timed out after {timeout:.0f} s; stderr: {_tail(exc.stderr)}"}
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -97,7 +143,7 @@ def markdown(results: dict) -> str:
             kept = "; ".join(f"{k}: {v}" for k, v in list(r["kept"].items())[:2]) or ""
             lines.append(f"| {name} | pass | {r['quantized']} | {kept} |")
         else:
-            error = str(r["error"]).replace("|", "/").replace("\n", " ")[:160]
+            error = str(r["error"]).replace("|", "/").replace("\n", " ")[:300]
             lines.append(f"| {name} | fails at {r['stage']} | | {error} |")
     return "\n".join(lines) + "\n"
 

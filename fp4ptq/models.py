@@ -602,7 +602,8 @@ def checkpoint_names(model: nn.Module, keys) -> dict:
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
-        probe = {k: torch.tensor([i], device="cpu") for i, k in enumerate(keys)}   # not a meta default device
+        # [1, 1]: a conversion may transpose a tensor (Ergo's router); not a meta default device
+        probe = {k: torch.tensor([[i]], device="cpu") for i, k in enumerate(keys)}
         out = revert_weight_conversion(model, probe)
         mapping = {}
         for new, value in out.items():

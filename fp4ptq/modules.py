@@ -196,6 +196,15 @@ class NVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return self.quantized_weight().dequantize(dtype or self.dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` decoded to the layer's dtype, for model code that reads a linear's
+        ``.weight`` (transformers' HunYuan-MoE and Ergo look up its dtype). A new tensor on each
+        access, on the packed buffers' device: writing to it changes nothing (assigning raises), it
+        is not a parameter or buffer (``state_dict`` and checkpoints hold only the packed triple), and
+        it costs a decode, so fp4ptq's own forward never reads it."""
+        return self.dequantized_weight()
+
     def input_amax(self) -> Optional[torch.Tensor]:
         if self.input_global_scale is None:
             return None

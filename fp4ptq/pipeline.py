@@ -98,9 +98,10 @@ class _Recorder(nn.Module):
     """Stands in for decoder block ``index`` while the inputs are recorded; attributes it lacks
     are the block's (model code that reads ``layer.attention_type`` or calls a block's method)."""
 
-    def __init__(self, index: int, record: BlockInputs, stop_at: list, block: nn.Module) -> None:
+    def __init__(self, index: int, record: BlockInputs, stop_at: list, block: nn.Module,
+                 run_block: bool = False) -> None:
         super().__init__()
-        self.index, self.record, self.stop_at = index, record, stop_at
+        self.index, self.record, self.stop_at, self.run_block = index, record, stop_at, run_block
         object.__setattr__(self, "_block", block)   # not a submodule: the block stays where it is
 
     def __getattr__(self, name: str):
@@ -110,6 +111,7 @@ class _Recorder(nn.Module):
             return getattr(object.__getattribute__(self, "_block"), name)
 
     def forward(self, *args, **kwargs):
+        call = (args, dict(kwargs))
         hidden = args[0] if args else kwargs.pop("hidden_states")
         if self.index == 0:
             self.record.hidden.append(hidden.detach())
@@ -117,6 +119,8 @@ class _Recorder(nn.Module):
             self.record.calls[self.index] = (tuple(args[1:]), dict(kwargs))
         if self.index >= self.stop_at[0]:
             raise _StopForward
+        if self.run_block:  # blocks that return a tuple (CPM-Ant, RWKV): the model unpacks the real output
+            return object.__getattribute__(self, "_block")(*call[0], **call[1])
         return hidden  # transformers 5.x decoder blocks return the hidden-states tensor
 
 
@@ -125,13 +129,21 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, calib: torch.L
     """Run ``model`` on each row of ``calib [n, T]`` with the blocks replaced by
     recorders: the first sequence passes through all of them (each block's call
     arguments), later ones stop at the first block (its input hidden states)."""
+    try:
+        return _capture(model, blocks, calib, run_blocks=False)
+    except Exception:  # noqa: BLE001 - model code that uses a block's output beyond the hidden states
+        # (unpacks a tuple): again, with the first sequence through the real blocks
+        return _capture(model, blocks, calib, run_blocks=True)
+
+
+def _capture(model: nn.Module, blocks: nn.ModuleList, calib: torch.LongTensor, run_blocks: bool) -> BlockInputs:
     record = BlockInputs(hidden=[], calls=[None] * len(blocks))
     originals = list(blocks)
     stop_at = [len(blocks) - 1]
     device = model.get_input_embeddings().weight.device
     try:
         for i in range(len(blocks)):
-            blocks[i] = _Recorder(i, record, stop_at, originals[i])
+            blocks[i] = _Recorder(i, record, stop_at, originals[i], run_blocks)
         for row in range(calib.shape[0]):
             with contextlib.suppress(_StopForward):
                 model(input_ids=calib[row : row + 1].to(device), use_cache=False)
