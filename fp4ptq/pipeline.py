@@ -382,8 +382,8 @@ def quantize(
                 batching.enter_context(one_sequence_a_call(not batches_sequences(block, hidden, call)))
             if spec is not None and layers_path == spec.layers:
                 check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
-            for name, reason in plan.high.items():
-                high[_join(prefix, name)] = reason
+            for name, reason in plan.high.items():   # (linearize_model's reason for its experts stays)
+                high.setdefault(_join(prefix, name), reason)
             groups_info[prefix] = [{"linears": list(g.linears), "prev": g.prev, "fold": g.fold, "why": g.why,
                                     "fused": [list(f) for f in g.fused_sets], "readers": list(g.readers)}
                                    for g in plan.groups]
