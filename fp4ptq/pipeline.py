@@ -38,7 +38,7 @@ from torch import nn
 
 from . import __version__, distributed, rotation, sensitivity
 from .config import QuantConfig
-from .models import InputGroup, set_module
+from .models import InputGroup, UnsupportedArchitecture, set_module
 from .moe import _down, _quantize_expert_list, _quantize_experts
 from .solve import (  # noqa: F401 - re-exported: fp4ptq.pipeline is where users find the block runner's parts
     CLIP_TOKENS,
@@ -419,6 +419,16 @@ def quantize(
     return model
 
 
+def _capture_router(store: list):
+    """Forward hook on a Llama 4 router: ``(its input, scores, logits)`` of every call."""
+    def hook(module, args, kwargs, out):
+        x = args[0] if args else kwargs["hidden_states"]
+        scores, logits = out[0], out[1]
+        store.append((x.detach(), scores.detach(), logits.detach()))
+
+    return hook
+
+
 def _probe_inputs(model: nn.Module, blocks: nn.ModuleList) -> BlockInputs:
     """The blocks' inputs on a short synthetic sequence (PROBE_TOKENS tokens): enough for discovery
     to see each block's structure."""
@@ -518,6 +528,11 @@ def quantize_block(
                 if all(expert_of(n) for n in g.linears) and g.inspect is not None and expert_of(g.inspect or ""):
                     stats_list.append(None)   # one expert's down: its statistics come in the expert stream
                     continue
+                if g.linears and expert_of(g.linears[0]) and experts[expert_of(g.linears[0])].input_scaled:
+                    stats_list.append(None)   # Llama 4: each expert reads its own scaled copy: in the expert stream
+                    if config.transform and g.why:
+                        smoothing_info[_join(prefix, g.linears[0])] = {"skipped": g.why}
+                    continue
                 if g in list_groups and not routed_lists:
                     stats_list.append(None)   # per-expert lists under "all": statistics in the expert stream
                     continue
@@ -531,6 +546,14 @@ def quantize_block(
                     handles.append(module.register_forward_pre_hook(_record_call(calls, g), with_kwargs=True))
                 stats_list.append(st)
             for name, module in experts.items():
+                if module.input_scaled:   # Llama 4: the router's input and scores (calibration_rows)
+                    if name not in plan.routers:
+                        raise UnsupportedArchitecture(
+                            f"{prefix}.{name}: experts fed routing-scaled inputs (Llama 4's layout) need their "
+                            "router beside them (a Linear(hidden, experts)); none was found")
+                    router = block.get_submodule(plan.routers[name])
+                    handles.append(router.register_forward_hook(_capture_router(captured[name]), with_kwargs=True))
+                    continue
                 handles.append(module.register_forward_pre_hook(_capture_experts(captured[name]), with_kwargs=True))
             for name, parent in lists.items():
                 module = block.get_submodule(parent) if parent else block
@@ -554,6 +577,9 @@ def quantize_block(
                 if scales is not None and g in expert_groups:
                     for name in experts:
                         captured[name] = [(x / scales.to(x.dtype), i, w) for x, i, w in captured[name]]
+                elif scales is not None and any(plan.routers.get(name) in g.readers for name in experts):
+                    raise AssertionError(f"{prefix}: smoothing folded into the input of a router whose experts "
+                                         "read a scaled copy of it (the fold probe should have refused it)")
                 smoothing_info[_join(prefix, g.linears[0])] = record
     for g in plan.groups:
         if config.transform and inputs is None and g.why:
