@@ -399,12 +399,15 @@ def quantize(
     if keep_info is not None:
         for name in keep_info["kept"]:
             high[name] = f"kept in bf16 by keep_budget {config_record.keep_budget} (KL increase measured)"
+    kept_tensors = kept_parameters(model, high)
     model.fp4ptq_info = {
         "fp4ptq_version": __version__,
         "config": config_record.to_dict(),
         "calibration": calibration,
         "layers": layers,
         "high_precision": high,
+        # every parameter tensor not quantized (norms, embeddings, biases, routers, sinks ...), with its reason
+        "kept_tensors": kept_tensors,
         "smoothing": smoothing_info,
         "fused_groups": [[_join(p, n) for n in f] for p, gs in groups_info.items() for g in gs for f in g["fused"]],
         # Under torchrun every rank's peak (and share of sequences) too; like the run time it
@@ -427,6 +430,50 @@ def _capture_router(store: list):
         store.append((x.detach(), scores.detach(), logits.detach()))
 
     return hook
+
+
+def kept_parameters(model: nn.Module, high: dict) -> dict:
+    """``{tensor name: reason}`` for every tensor of ``model``'s state left in high precision: its
+    parameters and persistent buffers (DeepSeek's ``e_score_correction_bias``), save those of the
+    quantized linears, which are their NVFP4 form (their biases are named: kept as engines keep them).
+    A tensor of a module in ``high`` takes that module's reason (or its nearest ancestor's); the rest
+    theirs by kind (embedding, norm, attention sinks, ...). A tied tensor is named once, under its first
+    name (as ``named_parameters`` gives it)."""
+    from .modules import NVFP4Linear
+
+    out, seen = {}, {}
+    for mname, module in model.named_modules():
+        quantized = isinstance(module, NVFP4Linear)
+        tensors = list(module.named_parameters(recurse=False))
+        if not quantized:
+            tensors += [(n, b) for n, b in module.named_buffers(recurse=False)
+                        if n not in module._non_persistent_buffers_set]
+        for pname, p in tensors:
+            full = _join(mname, pname)
+            if id(p) in seen:
+                out[seen[id(p)]] += f"; tied to {full}"
+                continue
+            seen[id(p)] = full
+            parts = mname.split(".") if mname else []
+            owner = next((k for k in [full] + [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+                          if k in high), None)   # the tensor, its module or the nearest ancestor in high
+            out[full] = high[owner] if owner is not None else _kept_reason(module, pname, p, quantized)
+    return out
+
+
+def _kept_reason(module: nn.Module, pname: str, p: torch.Tensor, quantized_owner: bool) -> str:
+    if quantized_owner:
+        return "bias of a quantized linear (kept in high precision, as engines keep it)"
+    if isinstance(module, nn.Embedding):
+        return "token embedding (a table lookup, no matmul: kept in high precision)"
+    if pname == "sinks":
+        return "attention sinks (one logit per head, added in the softmax: kept in high precision)"
+    if "correction_bias" in pname:
+        return "router score-correction bias (it picks the experts: kept in high precision)"
+    if p.dim() <= 1 and not list(module.children()):
+        return f"norm or scale vector ({type(module).__name__}.{pname}, 1-D: kept in high precision)"
+    return (f"{type(module).__name__}.{pname} {tuple(p.shape)}: not a linear weight nor an expert tensor "
+            "(kept in high precision)")
 
 
 def _probe_inputs(model: nn.Module, blocks: nn.ModuleList) -> BlockInputs:
