@@ -156,6 +156,12 @@ class LinearExperts(nn.ModuleList):
             return x[(call[1].reshape(x.shape[0], -1) == expert).any(-1)]
         return x
 
+    def routed_counts(self, call: tuple) -> list:
+        """Routed tokens per expert in one captured call (the same ``call`` as ``calibration_rows``)."""
+        if self.input_scaled:
+            return (call[1].reshape(-1, self.num_experts) != 0).sum(0).tolist()
+        return torch.bincount(call[1].reshape(-1).long(), minlength=self.num_experts).tolist()
+
     # ------------------------------------------------------------------ #
     # NVFP4 experts on CUDA: two grouped launches (fp4ptq/kernels/grouped.py) instead of the loop
     # ------------------------------------------------------------------ #

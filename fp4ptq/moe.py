@@ -216,8 +216,7 @@ def _routed_order(module, captured, batch_keys: list, keep: int, config, world: 
     token counts of every batch come from every rank, so every rank finds the same order."""
     from .solve import _search_cost
 
-    local = {k: torch.bincount(idx.reshape(-1).long(), minlength=len(module)).tolist()
-             for k, (_, idx, _) in zip(batch_keys, captured)}
+    local = {k: module.routed_counts(call) for k, call in zip(batch_keys, captured)}
     counts = {}
     for part in distributed.gather_report(local, world):
         counts.update(part)
