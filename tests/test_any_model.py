@@ -492,3 +492,106 @@ def test_expert_statistics_peak_does_not_grow_with_the_number_of_experts(monkeyp
 
     small, large = peak(4), peak(32)
     assert small == large and 1 <= small[0] <= 2 and small[1] > 0, (small, large)
+
+
+def test_cli_moe_calib_option_reaches_the_config(tmp_path):
+    from fp4ptq.cli import build_parser
+
+    args = build_parser().parse_args(["quantize", "--moe-calib", "routed"])
+    assert args.moe_calib == "routed"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quantize", "--moe-calib", "some"])
+
+
+class _OldExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _OldSparseMoe(nn.Module):
+    """The per-expert nn.Linear form of earlier transformers releases (Mixtral's sparse block)."""
+
+    def __init__(self, hidden: int = 64, inter: int = 32, experts: int = 4, top_k: int = 1) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_OldExpert(hidden, inter) for _ in range(experts))
+
+    def forward(self, hidden_states):
+        b, t, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        weights, chosen = torch.topk(self.gate(x).softmax(-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.view(b, t, h)
+
+
+def _old_form_model() -> nn.Module:
+    model = tiny("granite")   # a family without a table (llama's would rightly refuse the changed MLP)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.mlp = _OldSparseMoe()
+    return model
+
+
+@pytest.mark.parametrize("mode", ["all", "routed"])
+def test_the_older_per_expert_linear_form_is_calibrated_and_quantized(mode, tmp_path):
+    model = _old_form_model()
+    # expert 3 of every layer is never routed to: "all" still calibrates it, "routed" falls back to RTN
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        gate.forward = lambda x, f=gate.forward: f(x).index_fill(-1, torch.tensor([3]), -1e9)
+    config = QuantConfig(method="awq", scheme="w4a4", moe_calib=mode, search_nsamples=1, awq_grid=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp4ptq.quantize(model, config, CALIB, progress=False)
+    info = model.fp4ptq_info
+    high = info["high_precision"]
+    assert "router" in high["model.layers.0.mlp.gate"]
+    for e in range(4):
+        for proj in ("w1", "w2", "w3"):
+            module = model.get_submodule(f"model.layers.0.mlp.experts.{e}.{proj}")
+            assert isinstance(module, NVFP4Linear)
+            assert torch.isfinite(module.input_global_scale).all() and torch.isfinite(module.weight_global_scale).all()
+    w1, w3 = model.model.layers[0].mlp.experts[3].w1, model.model.layers[0].mlp.experts[3].w3
+    assert torch.equal(w1.weight_global_scale, w3.weight_global_scale)
+    unrouted = [str(w.message) for w in caught if "received no calibration token" in str(w.message)]
+    note = info["layers"]["model.layers.0.mlp.experts.3.w1"].get("note")
+    if mode == "routed":
+        assert unrouted and "model.layers.0.mlp.experts.3" in unrouted[0] and note.startswith("no routed")
+    else:
+        assert not unrouted and note is None
+    assert torch.isfinite(_logits(model)).all()
+
+
+def test_routed_awq_over_several_batches_searches_on_each_experts_tokens(monkeypatch):
+    # an expert's routed tokens differ in number from batch to batch: its down search runs on token rows
+    from fp4ptq import stats
+
+    monkeypatch.setattr(stats, "TOKENS_PER_CALL", 16)   # one sequence a batch
+    model = tiny("qwen3_moe")
+    calib = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+    fp4ptq.quantize(model, QuantConfig(method="awq", moe_calib="routed", search_nsamples=4, awq_grid=3), calib,
+                    progress=False)
+    searched = [k for k, v in model.fp4ptq_info["smoothing"].items() if ".down_proj" in k and "loss" in v]
+    assert searched and torch.isfinite(_logits(model)).all()
+
+
+def test_blocks_whose_recorded_arguments_do_not_batch_run_a_sequence_a_call():
+    """BLOOM's blocks take an ALiBi table recorded for one sequence ([heads, 1, T]): GPTQ over two
+    calibration sequences runs them one at a time (probed once on the first block) and finishes,
+    and so does a model whose code reads an attribute of a block while its inputs are recorded
+    (BigBird's ``attention_type``)."""
+    for model_type in ("bloom", "big_bird"):
+        model = tiny(model_type)
+        fp4ptq.quantize(model, QuantConfig(method="gptq"), CALIB, progress=False)
+        assert any(isinstance(m, NVFP4Linear) for m in model.modules()), model_type
+        assert torch.isfinite(_logits(model)).all(), model_type
