@@ -16,6 +16,15 @@ see ordinary linears (quantized: ``NVFP4Linear``), named as engines expect.
 Calibration: with ``calibrate_all`` set, every expert also runs on every token
 (so its statistics and Hessians see all calibration data), while the layer's
 output still follows the real routing.
+
+Two calling conventions: transformers 5's ``forward(hidden [T, H], top_k_index,
+top_k_weights)`` (the routing weights scale the experts' outputs), and Llama 4's
+``forward(routed_in [E * T, H])``: the caller (``Llama4TextMoe``) has already
+scaled every token's copy for expert ``e`` by its routing score (zero where the
+router did not pick ``e``: top-1 sigmoid), so the weights act on the experts'
+*input* (vLLM: ``apply_router_weight_on_input``). Its tensors are transposed
+(``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``), gate and up concatenated,
+and its gating is ``act_fn(gate) * up`` without an ``_apply_gate``.
 """
 from __future__ import annotations
 
@@ -58,7 +67,8 @@ class LinearExperts(nn.ModuleList):
     gpt-oss' clamped SwiGLU), ``concatenated`` whether its gate_up output is
     ``[gate | up]`` (else interleaved ``gate0, up0, gate1, ...``)."""
 
-    def __init__(self, experts: list, gating: nn.Module, concatenated: bool, num_experts: int) -> None:
+    def __init__(self, experts: list, gating: nn.Module, concatenated: bool, num_experts: int,
+                 input_scaled: bool = False) -> None:
         super().__init__(experts)
         # The replaced module, stripped of its weights: its _apply_gate (and act_fn,
         # limits) is the gating; kept out of the module tree (it holds no tensors we save).
@@ -66,20 +76,27 @@ class LinearExperts(nn.ModuleList):
         self.concatenated = concatenated
         self.num_experts = num_experts
         self.calibrate_all = False
+        # Llama 4: forward(routed_in [E * T, H]), the routing scores applied to the input by the caller
+        self.input_scaled = input_scaled
 
     def apply_gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.concatenated:
             gate_up = torch.cat([gate, up], dim=-1)
         else:
             gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
-        return self._gating._apply_gate(gate_up)
+        apply = getattr(self._gating, "_apply_gate", None)
+        if apply is None:   # Llama 4's experts: act_fn(gate) * up, no _apply_gate
+            return self._gating.act_fn(gate) * up
+        return apply(gate_up)
 
     def expert_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self[index].projections()
         return down(self.apply_gate(gate(x), up(x)))
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                *args, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: Optional[torch.Tensor] = None,
+                top_k_weights: Optional[torch.Tensor] = None, *args, **kwargs) -> torch.Tensor:
+        if self.input_scaled:
+            return self._input_scaled_forward(hidden_states)
         if hidden_states.is_cuda and self.grouped:
             out = self.grouped_forward(hidden_states, top_k_index, top_k_weights)
             if out is not None:
@@ -96,14 +113,54 @@ class LinearExperts(nn.ModuleList):
         experts = range(self.num_experts) if self.calibrate_all else active
         for e in experts:
             slot, token = torch.where(hits[e])
-            if self.calibrate_all:
-                y = self.expert_forward(e, hidden_states)[token]
-            else:
+            if self.calibrate_all:   # every token through the expert (what discovery observes) ...
+                self.expert_forward(e, hidden_states)
+            if token.numel():   # ... and the output from its routed tokens alone, bit for bit the routed one
                 y = self.expert_forward(e, hidden_states[token])
-            if token.numel():
                 y = y * top_k_weights[token, slot, None]
                 out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _input_scaled_forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+        """Llama 4: ``routed_in [E * T, H]`` holds, expert by expert, every token scaled by its
+        routing score for that expert (zero where it was not picked). Each expert runs on its
+        picked rows (a zero row gives zero: no bias, ``act(0) * 0 = 0``). Under ``calibrate_all``
+        (discovery's forward) an expert picked by no token still runs, on its zero rows, so that
+        every expert is seen; the output is unchanged (the statistics come from ``calibration_rows``)."""
+        hidden = routed_in.shape[-1]
+        x = routed_in.reshape(self.num_experts, -1, hidden)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            with torch.no_grad():
+                rows = (x[e] != 0).any(-1).nonzero().flatten()
+            if rows.numel():
+                out[e].index_copy_(0, rows, self.expert_forward(e, x[e][rows]).to(out.dtype))
+            elif self.calibrate_all:
+                self.expert_forward(e, x[e])   # zero rows: zero output
+        return out.reshape(routed_in.shape)
+
+    def calibration_rows(self, call: tuple, expert: int, routed: bool) -> torch.Tensor:
+        """The inputs ``[n, H]`` expert ``expert`` sees in one captured call: its routed tokens
+        (``routed``) or every token. ``call`` is the experts' own ``(hidden, top_k_index,
+        top_k_weights)``; for Llama 4 (``input_scaled``) the router's ``(hidden, scores, logits)``:
+        the routed rows scaled by their scores (as the model feeds them), and under "all" every
+        token scaled by ``sigmoid(logit)``, the score it would get were the expert picked."""
+        x = call[0].reshape(-1, call[0].shape[-1])
+        if self.input_scaled:
+            scores, logits = (t.reshape(-1, self.num_experts) for t in call[1:3])
+            if routed:
+                rows = (scores[:, expert] != 0).nonzero().flatten()
+                return x[rows] * scores[rows, expert, None]
+            return x * torch.sigmoid(logits[:, expert].float()).to(x.dtype)[:, None]
+        if routed:
+            return x[(call[1].reshape(x.shape[0], -1) == expert).any(-1)]
+        return x
+
+    def routed_counts(self, call: tuple) -> list:
+        """Routed tokens per expert in one captured call (the same ``call`` as ``calibration_rows``)."""
+        if self.input_scaled:
+            return (call[1].reshape(-1, self.num_experts) != 0).sum(0).tolist()
+        return torch.bincount(call[1].reshape(-1).long(), minlength=self.num_experts).tolist()
 
     # ------------------------------------------------------------------ #
     # NVFP4 experts on CUDA: two grouped launches (fp4ptq/kernels/grouped.py) instead of the loop
@@ -119,7 +176,7 @@ class LinearExperts(nn.ModuleList):
         or unless every expert projection is an ``NVFP4Linear`` (one scheme and Four Over Six rule, not
         fused by ``fusion.py``, gate and up of each expert sharing their global scales). The result
         equals the loop's up to fp32 summation order (the dense kernels' tolerance)."""
-        if (self.calibrate_all or torch.compiler.is_compiling() or hidden_states.dim() != 2
+        if (self.calibrate_all or self.input_scaled or torch.compiler.is_compiling() or hidden_states.dim() != 2
                 or hidden_states.dtype not in (torch.bfloat16, torch.float16)
                 or (hidden_states.requires_grad and torch.is_grad_enabled())):
             return None
@@ -279,17 +336,38 @@ def expert_names(model: nn.Module) -> tuple:
 
 
 def _layout(module: nn.Module) -> tuple:
-    """(transposed, concatenated, has_bias) of a transformers experts module."""
+    """(transposed, concatenated, has_bias, input_scaled) of a transformers experts module."""
     if getattr(module, "has_gate", True) is False or getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExperts(
             f"{type(module).__name__}: experts without a gate projection or with a post-expert norm are not "
             "supported yet; they stay in high precision")
+    has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
     if not hasattr(module, "_apply_gate"):
-        raise UnsupportedExperts(f"{type(module).__name__} has no _apply_gate (not a transformers 5 experts module)")
+        if _is_input_scaled(module) and not has_bias:
+            return True, True, False, True
+        raise UnsupportedExperts(
+            f"{type(module).__name__} has no _apply_gate and is not Llama 4's layout (forward(routed_in) with "
+            "gate_up_proj [E, H, 2I], down_proj [E, I, H], act_fn, no biases); its experts stay in high precision")
     transposed = bool(getattr(module, "is_transposed", False))
     concatenated = bool(getattr(module, "is_concatenated", True))
-    has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
-    return transposed, concatenated, has_bias
+    return transposed, concatenated, has_bias, False
+
+
+def _is_input_scaled(module: nn.Module) -> bool:
+    """Llama 4's experts (``Llama4TextExperts``): ``forward(hidden_states)`` alone (the caller
+    scales each expert's input by its routing score), an ``act_fn``, gate_up ``[E, H, 2I]``
+    (gate then up) and down ``[E, I, H]``."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    gate_up, down = module.gate_up_proj, module.down_proj
+    return (len(params) == 1 and callable(getattr(module, "act_fn", None))
+            and gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == down.shape[2]
+            and gate_up.shape[2] == 2 * down.shape[1])
 
 
 @torch.no_grad()
@@ -297,7 +375,7 @@ def linearize(module: nn.Module, names: tuple = DEFAULT_NAMES, *, device=None) -
     """A ``LinearExperts`` with ``module``'s weights (copied expert by expert; the
     3-D parameters are released from ``module``). ``device="meta"`` builds an
     empty one (for loading a checkpoint)."""
-    transposed, concatenated, has_bias = _layout(module)
+    transposed, concatenated, has_bias, input_scaled = _layout(module)
     gate_up, down = module.gate_up_proj, module.down_proj
     num = gate_up.shape[0]
     # [E, 2I, H] (or [E, H, 2I] transposed) and [E, H, I] (or [E, I, H])
@@ -327,7 +405,7 @@ def linearize(module: nn.Module, names: tuple = DEFAULT_NAMES, *, device=None) -
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
         if name in module._parameters:
             del module._parameters[name]
-    return LinearExperts(experts, module, concatenated, num)
+    return LinearExperts(experts, module, concatenated, num, input_scaled)
 
 
 def linearize_model(model: nn.Module, *, device=None) -> dict:

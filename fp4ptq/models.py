@@ -234,11 +234,13 @@ class BlockPlan:
     groups:  the InputGroups in forward order (linears by name, relative to the block);
     experts: names of the ``LinearExperts`` modules (their linears are in the groups);
     high:    modules with weights that stay in high precision, with the reason
-             (routers; modules that are neither linears nor expert tensors)."""
+             (routers, gates; modules that are neither linears nor expert tensors);
+    routers: ``{experts name: its router's name}`` (the router beside each ``LinearExperts``)."""
 
     groups: list
     experts: tuple = ()
     high: dict = field(default_factory=dict)
+    routers: dict = field(default_factory=dict)
     expert_lists: dict = field(default_factory=dict)   # per-expert module lists (older MoE form): name -> parent
 
 
@@ -365,8 +367,14 @@ def _fold_is_exact(block, hidden, call, reference, prev, readers, kind, channels
     return bool(moved < 1e-3)
 
 
+ROUTER_REASON = "MoE router (kept in high precision: it picks the experts)"
+GATE_REASON = ("gate: one output per token that scales a branch through a sigmoid (kept in high precision, "
+               "as MoE routing is; it takes the compensating scale where its input is smoothed)")
+
+
 def _is_router(module: nn.Module, name: str, sibling_experts: dict) -> bool:
-    """A module that scores experts: its output has one value per expert of a sibling LinearExperts."""
+    """A module that scores experts: its output has one value per expert of a sibling experts
+    module (a ``LinearExperts``, a per-expert list, or 3-D expert tensors left unlinearized)."""
     counts = sibling_experts.get(_parent(name))
     if counts is None:
         return False
@@ -379,13 +387,16 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
     """The InputGroups of ``block``, observed on ``hidden [1, T, d]`` with its call
     arguments ``call = (args, kwargs)``. With ``probe``, each group's producer is
     tested for an exact fold of smoothing scales (computed in float32)."""
-    from .experts import LinearExperts
+    from .experts import LinearExperts, is_experts_module
 
     modules = dict(block.named_modules())
     experts = tuple(n for n, m in modules.items() if isinstance(m, LinearExperts))
     sibling_experts: dict = {}
     for e in experts:
         sibling_experts.setdefault(_parent(e), set()).add(modules[e].num_experts)
+    for n, m in modules.items():   # experts kept as 3-D tensors (a layout not linearized): their router still
+        if not isinstance(m, LinearExperts) and is_experts_module(m):
+            sibling_experts.setdefault(_parent(n), set()).add(m.gate_up_proj.shape[0])
     lists = _expert_lists(modules)
     for name in lists:
         sibling_experts.setdefault(_parent(name), set()).add(len(modules[name]))
@@ -407,6 +418,8 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
         if probe and dtype != torch.float32:
             block.to(dtype)
     plan.experts = experts
+    plan.routers = {e: r for e in experts for r, why in plan.high.items()
+                    if why == ROUTER_REASON and _parent(r) == _parent(e)}
     plan.expert_lists = {name: _parent(name) for name in lists}
     _mirror_unrouted_experts(plan, modules, lists)
     return plan
@@ -481,6 +494,8 @@ def _cast_call(call: tuple, dtype) -> tuple:
 
 
 def _plan_groups(block, modules, seen, sibling_experts, hidden, call, reference) -> BlockPlan:
+    from .experts import is_experts_module
+
     high, groups = {}, []
     order = {n: i for i, n in enumerate(seen["order"])}
     grouped = set()
@@ -491,7 +506,10 @@ def _plan_groups(block, modules, seen, sibling_experts, hidden, call, reference)
             module = modules[n]
             if _is_router(module, n, sibling_experts):
                 routers.append(n)
-                high[n] = "MoE router (kept in high precision: it picks the experts)"
+                high[n] = ROUTER_REASON
+            elif isinstance(module, nn.Linear) and module.out_features == 1:
+                routers.append(n)   # qwen2_moe's shared_expert_gate: sigmoid(gate(x)) * shared_expert(x)
+                high[n] = GATE_REASON
             elif isinstance(module, nn.Linear):
                 linears.append(n)
             elif any(True for _ in module.parameters(recurse=False)):
@@ -521,6 +539,8 @@ def _plan_groups(block, modules, seen, sibling_experts, hidden, call, reference)
             continue
         if isinstance(module, nn.Linear):
             high[n] = "a linear the calibration forward never called"
+        elif is_experts_module(module):
+            high[n] = f"MoE experts in a layout fp4ptq does not linearize ({type(module).__name__}): kept in high precision"
         elif not _is_norm_like(module):
             high[n] = f"neither a linear nor an expert tensor ({type(module).__name__}): kept in high precision"
     groups.sort(key=lambda g: order.get(g.linears[0], 0))

@@ -130,7 +130,7 @@ def _quantize_experts(name, module, plan, shared_stats, members, captured, confi
     gate_n, up_n, down_n = module[0].names
     chosen = {n for g in plan.groups for n in members[g]}
     groups_by_down = {g.linears[0]: g for g in plan.groups if len(g.linears) == 1}
-    xs = [x.reshape(-1, x.shape[-1]) for x, _, _ in captured] if use_data else []
+    routed = use_data and config.moe_calib == "routed"
     keep = config.search_nsamples if config.transform else 0
     hidden_size, inter = module[0].projections()[0].in_features, module[0].projections()[2].in_features
     order = list(range(len(module)))
@@ -143,22 +143,19 @@ def _quantize_experts(name, module, plan, shared_stats, members, captured, confi
             mlp = module[e]
             local = f"{name}.{e}"
             full = _join(prefix, local)
-            rows = None
-            if use_data and config.moe_calib == "routed":
-                rows = [torch.where((idx == e).any(-1))[0] for _, idx, _ in captured]
-            x_e = [x if rows is None else x[r] for x, r in zip(xs, rows or [None] * len(xs))]
+            x_e = [module.calibration_rows(c, e, routed) for c in captured] if use_data else []
             n_tokens = distributed.sum_int(sum(int(x.shape[0]) for x in x_e), world, device) if use_data else 0
             no_data = use_data and n_tokens == 0
             if no_data:
                 warnings.warn(f"fp4ptq: expert {full} received no calibration token (moe_calib='routed'); it is "
                               "rounded with RTN and its activation statistics come from all tokens", stacklevel=2)
-                x_e = xs
+                x_e = [module.calibration_rows(c, e, False) for c in captured]
             keys = [k for k, x in zip(batch_keys, x_e) if x.shape[0]]
             hessian_dst = owner if config.rounding == "gptq" and not no_data else None
             # gate/up statistics: under "all" the shared group's (every token), else this expert's tokens
             gu_stats = None
             if use_data:
-                if rows is None and shared_stats is not None:
+                if not routed and shared_stats is not None:
                     gu_stats = shared_stats
                 else:
                     gu_stats = InputStats(f"{full}.{gate_n} (input shared with {up_n})", keep_samples=keep,
@@ -219,8 +216,7 @@ def _routed_order(module, captured, batch_keys: list, keep: int, config, world: 
     token counts of every batch come from every rank, so every rank finds the same order."""
     from .solve import _search_cost
 
-    local = {k: torch.bincount(idx.reshape(-1).long(), minlength=len(module)).tolist()
-             for k, (_, idx, _) in zip(batch_keys, captured)}
+    local = {k: module.routed_counts(call) for k, call in zip(batch_keys, captured)}
     counts = {}
     for part in distributed.gather_report(local, world):
         counts.update(part)

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import __version__, distributed, rotation, sensitivity
 from .config import QuantConfig
-from .models import InputGroup, set_module
+from .models import InputGroup, UnsupportedArchitecture, set_module
 from .moe import _down, _quantize_expert_list, _quantize_experts
 from .solve import (  # noqa: F401 - re-exported: fp4ptq.pipeline is where users find the block runner's parts
     CLIP_TOKENS,
@@ -394,8 +394,8 @@ def quantize(
                 batching.enter_context(one_sequence_a_call(not batches_sequences(block, hidden, call)))
             if spec is not None and layers_path == spec.layers:
                 check_against_table(plan, spec, f"{prefix} ({type(block).__name__})")
-            for name, reason in plan.high.items():
-                high[_join(prefix, name)] = reason
+            for name, reason in plan.high.items():   # (linearize_model's reason for its experts stays)
+                high.setdefault(_join(prefix, name), reason)
             groups_info[prefix] = [{"linears": list(g.linears), "prev": g.prev, "fold": g.fold, "why": g.why,
                                     "fused": [list(f) for f in g.fused_sets], "readers": list(g.readers)}
                                    for g in plan.groups]
@@ -411,12 +411,15 @@ def quantize(
     if keep_info is not None:
         for name in keep_info["kept"]:
             high[name] = f"kept in bf16 by keep_budget {config_record.keep_budget} (KL increase measured)"
+    kept_tensors = kept_parameters(model, high)
     model.fp4ptq_info = {
         "fp4ptq_version": __version__,
         "config": config_record.to_dict(),
         "calibration": calibration,
         "layers": layers,
         "high_precision": high,
+        # every parameter tensor not quantized (norms, embeddings, biases, routers, sinks ...), with its reason
+        "kept_tensors": kept_tensors,
         "smoothing": smoothing_info,
         "fused_groups": [[_join(p, n) for n in f] for p, gs in groups_info.items() for g in gs for f in g["fused"]],
         # Under torchrun every rank's peak (and share of sequences) too; like the run time it
@@ -429,6 +432,60 @@ def quantize(
     if keep_info is not None:
         model.fp4ptq_info["keep"] = keep_info
     return model
+
+
+def _capture_router(store: list):
+    """Forward hook on a Llama 4 router: ``(its input, scores, logits)`` of every call."""
+    def hook(module, args, kwargs, out):
+        x = args[0] if args else kwargs["hidden_states"]
+        scores, logits = out[0], out[1]
+        store.append((x.detach(), scores.detach(), logits.detach()))
+
+    return hook
+
+
+def kept_parameters(model: nn.Module, high: dict) -> dict:
+    """``{tensor name: reason}`` for every tensor of ``model``'s state left in high precision: its
+    parameters and persistent buffers (DeepSeek's ``e_score_correction_bias``), save those of the
+    quantized linears, which are their NVFP4 form (their biases are named: kept as engines keep them).
+    A tensor of a module in ``high`` takes that module's reason (or its nearest ancestor's); the rest
+    theirs by kind (embedding, norm, attention sinks, ...). A tied tensor is named once, under its first
+    name (as ``named_parameters`` gives it)."""
+    from .modules import NVFP4Linear
+
+    out, seen = {}, {}
+    for mname, module in model.named_modules():
+        quantized = isinstance(module, NVFP4Linear)
+        tensors = list(module.named_parameters(recurse=False))
+        if not quantized:
+            tensors += [(n, b) for n, b in module.named_buffers(recurse=False)
+                        if n not in module._non_persistent_buffers_set]
+        for pname, p in tensors:
+            full = _join(mname, pname)
+            if id(p) in seen:
+                out[seen[id(p)]] += f"; tied to {full}"
+                continue
+            seen[id(p)] = full
+            parts = mname.split(".") if mname else []
+            owner = next((k for k in [full] + [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+                          if k in high), None)   # the tensor, its module or the nearest ancestor in high
+            out[full] = high[owner] if owner is not None else _kept_reason(module, pname, p, quantized)
+    return out
+
+
+def _kept_reason(module: nn.Module, pname: str, p: torch.Tensor, quantized_owner: bool) -> str:
+    if quantized_owner:
+        return "bias of a quantized linear (kept in high precision, as engines keep it)"
+    if isinstance(module, nn.Embedding):
+        return "token embedding (a table lookup, no matmul: kept in high precision)"
+    if pname == "sinks":
+        return "attention sinks (one logit per head, added in the softmax: kept in high precision)"
+    if "correction_bias" in pname:
+        return "router score-correction bias (it picks the experts: kept in high precision)"
+    if p.dim() <= 1 and not list(module.children()):
+        return f"norm or scale vector ({type(module).__name__}.{pname}, 1-D: kept in high precision)"
+    return (f"{type(module).__name__}.{pname} {tuple(p.shape)}: not a linear weight nor an expert tensor "
+            "(kept in high precision)")
 
 
 def _probe_inputs(model: nn.Module, blocks: nn.ModuleList) -> BlockInputs:
@@ -530,6 +587,11 @@ def quantize_block(
                 if all(expert_of(n) for n in g.linears) and g.inspect is not None and expert_of(g.inspect or ""):
                     stats_list.append(None)   # one expert's down: its statistics come in the expert stream
                     continue
+                if g.linears and expert_of(g.linears[0]) and experts[expert_of(g.linears[0])].input_scaled:
+                    stats_list.append(None)   # Llama 4: each expert reads its own scaled copy: in the expert stream
+                    if config.transform and g.why:
+                        smoothing_info[_join(prefix, g.linears[0])] = {"skipped": g.why}
+                    continue
                 if g in list_groups and not routed_lists:
                     stats_list.append(None)   # per-expert lists under "all": statistics in the expert stream
                     continue
@@ -543,6 +605,14 @@ def quantize_block(
                     handles.append(module.register_forward_pre_hook(_record_call(calls, g), with_kwargs=True))
                 stats_list.append(st)
             for name, module in experts.items():
+                if module.input_scaled:   # Llama 4: the router's input and scores (calibration_rows)
+                    if name not in plan.routers:
+                        raise UnsupportedArchitecture(
+                            f"{prefix}.{name}: experts fed routing-scaled inputs (Llama 4's layout) need their "
+                            "router beside them (a Linear(hidden, experts)); none was found")
+                    router = block.get_submodule(plan.routers[name])
+                    handles.append(router.register_forward_hook(_capture_router(captured[name]), with_kwargs=True))
+                    continue
                 handles.append(module.register_forward_pre_hook(_capture_experts(captured[name]), with_kwargs=True))
             for name, parent in lists.items():
                 module = block.get_submodule(parent) if parent else block
@@ -566,6 +636,9 @@ def quantize_block(
                 if scales is not None and g in expert_groups:
                     for name in experts:
                         captured[name] = [(x / scales.to(x.dtype), i, w) for x, i, w in captured[name]]
+                elif scales is not None and any(plan.routers.get(name) in g.readers for name in experts):
+                    raise AssertionError(f"{prefix}: smoothing folded into the input of a router whose experts "
+                                         "read a scaled copy of it (the fold probe should have refused it)")
                 smoothing_info[_join(prefix, g.linears[0])] = record
     for g in plan.groups:
         if config.transform and inputs is None and g.why:

@@ -342,6 +342,8 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict:
         "config": info.get("config"),
         "calibration": info.get("calibration"),
         "high_precision": info.get("high_precision", {}),
+        # every parameter tensor left in high precision, with its reason (fp4ptq >= issue 39's record)
+        "kept_tensors": info.get("kept_tensors", {}),
         "rotation": info.get("rotation"),   # issue 43: block-Hadamard rotations
         "keep": info.get("keep"),           # issue 43: keep_budget's choice and measurements
         "layers": collapsed,
@@ -384,6 +386,15 @@ def group_experts(layers: list) -> tuple:
         row["rel_error_max"] = max(errors) if errors else None
         row["four_share"] = sum(shares) / len(shares) if shares else None
     return rows, experts
+
+
+def kept_by_reason(kept: dict) -> dict:
+    """``{reason: [tensor names]}``, the per-expert names of one projection collapsed into one
+    (``...experts.*.gate_proj.bias``), in first-seen order."""
+    out: dict = {}
+    for name, why in kept.items():
+        out.setdefault(why, {})[re.sub(r"\.experts\.\d+\.", ".experts.*.", name)] = None
+    return {why: list(names) for why, names in out.items()}
 
 
 def _human_bytes(n: Optional[float]) -> str:
@@ -435,6 +446,10 @@ def inspect_markdown(summary: dict) -> str:
     if summary.get("high_precision"):
         lines += ["", "Kept in high precision: " + ", ".join(
             f"{name} ({why})" for name, why in summary["high_precision"].items())]
+    if summary.get("kept_tensors"):
+        lines += ["", f"Every tensor kept in high precision ({len(summary['kept_tensors'])}), by reason "
+                      "(`kept_tensors` in inspect.json; experts collapsed to `experts.*`):"]
+        lines += [f"- {why}: {', '.join(names)}" for why, names in kept_by_reason(summary["kept_tensors"]).items()]
     from .. import rotation, sensitivity
 
     for line in (rotation.describe(summary.get("rotation")), sensitivity.describe(summary.get("keep"))):
