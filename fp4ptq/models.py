@@ -372,14 +372,27 @@ GATE_REASON = ("gate: one output per token that scales a branch through a sigmoi
                "as MoE routing is; it takes the compensating scale where its input is smoothed)")
 
 
-def _is_router(module: nn.Module, name: str, sibling_experts: dict) -> bool:
-    """A module that scores experts: its output has one value per expert of a sibling experts
-    module (a ``LinearExperts``, a per-expert list, or 3-D expert tensors left unlinearized)."""
-    counts = sibling_experts.get(_parent(name))
-    if counts is None:
-        return False
+def _is_router(module: nn.Module, name: str, sibling_experts: dict, modules: dict) -> bool:
+    """A module that scores experts: its output has one value per expert of an experts module (a
+    ``LinearExperts``, a per-expert list, or 3-D expert tensors left unlinearized) beside it, or beside a
+    wrapper that holds nothing else with parameters (HunYuan-MoE's ``mlp.gate.wg`` scores ``mlp.experts``)."""
+    return _router_parent(module, name, sibling_experts, modules) is not None
+
+
+def _router_parent(module: nn.Module, name: str, sibling_experts: dict, modules: dict) -> str | None:
+    """The module holding the experts that ``module`` (at ``name``) scores, or None."""
     weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] in counts
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
+        return None
+    parent = _parent(name)
+    while True:
+        if weight.shape[0] in sibling_experts.get(parent, ()):
+            return parent
+        wrapper = modules.get(parent)
+        if not parent or wrapper is None or sum(1 for m in wrapper.modules() if any(
+                True for _ in m.parameters(recurse=False))) != 1:
+            return None   # a wrapper holding other weights (a shared expert's MLP) is not a router's
+        parent = _parent(parent)
 
 
 @torch.no_grad()
@@ -419,7 +432,7 @@ def discover_block(block: nn.Module, hidden: torch.Tensor, call: tuple, *, probe
             block.to(dtype)
     plan.experts = experts
     plan.routers = {e: r for e in experts for r, why in plan.high.items()
-                    if why == ROUTER_REASON and _parent(r) == _parent(e)}
+                    if why == ROUTER_REASON and _router_parent(modules[r], r, sibling_experts, modules) == _parent(e)}
     plan.expert_lists = {name: _parent(name) for name in lists}
     _mirror_unrouted_experts(plan, modules, lists)
     return plan
@@ -504,7 +517,7 @@ def _plan_groups(block, modules, seen, sibling_experts, hidden, call, reference)
         linears, routers, others = [], [], []
         for n in leaves:
             module = modules[n]
-            if _is_router(module, n, sibling_experts):
+            if _is_router(module, n, sibling_experts, modules):
                 routers.append(n)
                 high[n] = ROUTER_REASON
             elif isinstance(module, nn.Linear) and module.out_features == 1:
