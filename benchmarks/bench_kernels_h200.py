@@ -225,10 +225,6 @@ def main_gpu():
                        "ours_w4a4": ours["ours_w4a4"]}
                 if m <= 16 and "tinygemm_int4_g128" in impls:
                     fns["tinygemm_int4_g128"] = lambda x=x, f=impls["tinygemm_int4_g128"]: f(x)
-                for label in STREAMK_CAPS:  # (only once its output checked out in the single pass)
-                    if label in ours and any(r.get("impl") == label and r.get("M") == m and r.get("shape") == name
-                                             and "ms" in r for r in res["rows"]):
-                        fns[label] = ours[label]
                 rounds = {label: [] for label in fns}
                 try:
                     for _ in range(ROUNDS):
