@@ -389,12 +389,16 @@ def group_experts(layers: list) -> tuple:
 
 
 def kept_by_reason(kept: dict) -> dict:
-    """``{reason: [tensor names]}``, the per-expert names of one projection collapsed into one
-    (``...experts.*.gate_proj.bias``), in first-seen order."""
+    """``{reason: [tensor names]}`` in first-seen order, the names that differ only in their indices
+    (layers, experts) collapsed into one with ``*`` and their count (``model.layers.*.input_layernorm.weight
+    (30)``, ``...experts.*.gate_proj.bias``)."""
     out: dict = {}
     for name, why in kept.items():
-        out.setdefault(why, {})[re.sub(r"\.experts\.\d+\.", ".experts.*.", name)] = None
-    return {why: list(names) for why, names in out.items()}
+        pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        names = out.setdefault(why, {})
+        names[pattern] = names.get(pattern, 0) + 1
+    return {why: [p if n == 1 or "*" not in p else f"{p} ({n})" for p, n in names.items()]
+            for why, names in out.items()}
 
 
 def _human_bytes(n: Optional[float]) -> str:
@@ -448,7 +452,7 @@ def inspect_markdown(summary: dict) -> str:
             f"{name} ({why})" for name, why in summary["high_precision"].items())]
     if summary.get("kept_tensors"):
         lines += ["", f"Every tensor kept in high precision ({len(summary['kept_tensors'])}), by reason "
-                      "(`kept_tensors` in inspect.json; experts collapsed to `experts.*`):"]
+                      "(`kept_tensors` in inspect.json names each; layers and experts collapsed to `*`):"]
         lines += [f"- {why}: {', '.join(names)}" for why, names in kept_by_reason(summary["kept_tensors"]).items()]
     from .. import rotation, sensitivity
 
