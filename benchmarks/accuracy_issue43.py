@@ -17,7 +17,8 @@ Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46``, ``
         --calib-seqlen 2048 --search-nsamples 2 --budget-s 500 --configs ... --out $OUT/accuracy_issue43_smollm2-135m_h200
 
 On a GPU (``--device cuda``) the models run in float32 with TF32 off and the float model's
-log-probabilities stay on the device; ``--windows 0`` takes the whole test split.
+log-probabilities are recomputed per window (one forward of the float model; kept, they would take
+40 x 2047 x 151,936 floats = 50 GB for Qwen2.5's 40 windows); ``--windows 0`` takes the whole test split.
 
 Resumable: configs already in the JSON (same settings) are skipped; JSON and markdown are
 rewritten atomically after each config.
@@ -74,9 +75,9 @@ def parse_config(name: str, args) -> dict:
 
 
 @torch.inference_mode()
-def evaluate(model, windows: list, reference: list) -> dict:
-    """Token perplexity and mean KL(p_float || p_model) over the windows (``reference``: the float
-    model's log-probabilities, or None for the float model itself)."""
+def evaluate(model, windows: list, reference) -> dict:
+    """Token perplexity and mean KL(p_float || p_model) over the windows (``reference(i)``: the float
+    model's log-probabilities of window i, or None for the float model itself)."""
     nll = kl = 0.0
     tokens = 0
     with decoded_weight_cache(model):   # each packed weight decoded once (bit-identical outputs)
@@ -84,7 +85,7 @@ def evaluate(model, windows: list, reference: list) -> dict:
             logp = F.log_softmax(model(input_ids=window[None], use_cache=False).logits[0, :-1].float(), -1)
             nll -= float(logp.gather(-1, window[1:, None]).sum())
             if reference is not None:
-                ref = reference[i]
+                ref = reference(i)
                 kl += float((ref.exp() * (ref - logp)).sum())
             tokens += window.numel() - 1
     return {"token_ppl": math.exp(nll / tokens), "kld": kl / tokens if reference is not None else 0.0,
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
                 "eval": "WikiText-2 test (raw), seqlen 2048, non-overlapping windows from the start; token perplexity "
                         "and mean KL(p_FP || p_quantized) over the same next-token positions",
                 "calibration": f"C4 train documents, {args.nsamples} x {args.calib_seqlen} tokens, seed 0; AWQ search "
-                               f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block, "
-                               "sensitivity on 1 x 512 tokens"}
+                               f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block "
+                               "(keepPl: by linear), sensitivity on 1 x 512 tokens"}
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
         settings["device"] = f"{torch.cuda.get_device_name(device)}, float32, TF32 off"
@@ -157,14 +158,20 @@ def main(argv=None) -> int:
     count = args.windows or ids.numel() // 2048
     windows = [ids[i * 2048:(i + 1) * 2048] for i in range(count)]
     cache = Path(args.cache) / f"reference_{args.name}_{args.windows}.pt" if args.cache else None
-    if cache is not None and cache.exists():   # the float model's log-probabilities, kept between runs
-        reference = torch.load(cache)
+    @torch.inference_mode()
+    def float_logp(i):
+        return F.log_softmax(base(input_ids=windows[i][None], use_cache=False).logits[0, :-1].float(), -1)
+
+    if device.type == "cuda":   # one float forward per window is cheaper than holding them all
+        reference = float_logp
     else:
-        with torch.inference_mode():
-            reference = [F.log_softmax(base(input_ids=w[None], use_cache=False).logits[0, :-1].float(), -1)
-                         for w in windows]
-        if cache is not None:
-            torch.save(reference, cache)
+        if cache is not None and cache.exists():   # the float model's log-probabilities, kept between runs
+            kept = torch.load(cache)
+        else:
+            kept = [float_logp(i) for i in range(len(windows))]
+            if cache is not None:
+                torch.save(kept, cache)
+        reference = kept.__getitem__
     report["settings"]["tokens"] = sum(w.numel() - 1 for w in windows)
     calib = get_calibration(str(calib_dir), tokenizer, args.nsamples, args.calib_seqlen, 0)
     for name in names:
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
             break
         started = time.perf_counter()
         if name == "fp":   # from the kept log-probabilities: no second pass
-            nll = -sum(float(r.gather(-1, w[1:, None]).sum()) for r, w in zip(reference, windows))
+            nll = -sum(float(reference(i).gather(-1, w[1:, None]).sum()) for i, w in enumerate(windows))
             entry = {"token_ppl": math.exp(nll / report["settings"]["tokens"]), "kld": 0.0,
                      "tokens": report["settings"]["tokens"]}
         else:
