@@ -140,8 +140,8 @@ def main(argv=None) -> int:
                 "eval": "WikiText-2 test (raw), seqlen 2048, non-overlapping windows from the start; token perplexity "
                         "and mean KL(p_FP || p_quantized) over the same next-token positions",
                 "calibration": f"C4 train documents, {args.nsamples} x {args.calib_seqlen} tokens, seed 0; AWQ search "
-                               f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block "
-                               "(keepPl: by linear), sensitivity on 1 x 512 tokens"}
+                               f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block, "
+                               "sensitivity on 1 x 512 tokens"}
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
         settings["device"] = f"{torch.cuda.get_device_name(device)}, float32, TF32 off"
