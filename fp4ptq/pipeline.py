@@ -361,7 +361,7 @@ def quantize(
     world = distributed.world()
     if config.keep_budget is not None:
         keep_info = sensitivity.choose(model, _keep_candidates(model, layers_path, blocks, config), calib, config,
-                                       progress and world.main, comm_device=device)
+                                       progress and world.main, comm_device=device, blocks=blocks)
         config = replace(config, ignore=config.ignore + tuple(keep_info["kept"]))
 
     # Block inputs: the calibration data's, or (no data needed) a short synthetic

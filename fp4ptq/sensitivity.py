@@ -5,7 +5,9 @@ increase of the mean KL divergence ``KL(p_float || p_part)`` of the next-token
 distributions on calibration tokens when only that part is quantized (RTN with
 the config's Four Over Six rule; W4A4 also rounds the part's inputs with their
 calibrated amax). The float model's KL to itself is 0, so the figure is the
-increase itself.
+increase itself. A part's forward starts at its first decoder block: the blocks
+before it give what they gave in the float pass (kept from it), so on average half
+of the blocks are not run again, and the figures are the full forward's.
 
 The most sensitive parts stay in bf16 while their extra bytes fit the budget:
 ``extra = bf16 bytes - NVFP4 bytes`` (packed codes, E4M3 block scales, fp32
@@ -89,29 +91,76 @@ def _quantized_only(linears: Sequence[nn.Linear], config: QuantConfig, input_ama
             lin.weight.data = weight
 
 
+def _clone(output):
+    """A block's output (a tensor or a tuple holding tensors) with its tensors copied."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if isinstance(output, tuple):
+        return tuple(_clone(o) for o in output)
+    return output
+
+
+@contextlib.contextmanager
+def _replayed(blocks: Sequence[nn.Module], start: int, outputs: list) -> Iterator[None]:
+    """Blocks before ``start`` return ``outputs[i]`` (their float-pass output for the row being run)
+    instead of computing; the last of them a copy, in case block ``start`` writes into its input."""
+    saved = []
+    try:
+        for i in range(start):
+            saved.append((blocks[i], blocks[i].__dict__.get("forward")))
+            blocks[i].forward = (lambda *a, _i=i, **k: _clone(outputs[_i])) if i == start - 1 else \
+                (lambda *a, _i=i, **k: outputs[_i])
+        yield
+    finally:
+        for block, forward in saved:
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
+
+
 @torch.no_grad()
 def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: QuantConfig,
-            progress: bool = False, comm_device=None) -> dict:
+            progress: bool = False, comm_device=None, blocks: Optional[Sequence[nn.Module]] = None) -> dict:
     """``{part: mean KL increase per token}`` for ``parts`` (name -> list of linears) on the first
-    ``config.keep_nsamples`` calibration rows (their first SENSITIVITY_TOKENS tokens). Under
-    torchrun the figures travel through ``comm_device`` (this rank's device; default: the model's)."""
+    ``config.keep_nsamples`` calibration rows (their first SENSITIVITY_TOKENS tokens). ``blocks``:
+    the decoder blocks in call order (default: ``models.find_blocks``); a part's forward starts at
+    the first block holding one of its linears. Under torchrun the figures travel through
+    ``comm_device`` (this rank's device; default: the model's)."""
     from tqdm.auto import tqdm
+
+    from .models import find_blocks
 
     device = model.get_input_embeddings().weight.device
     rows = calib[: config.keep_nsamples, :SENSITIVITY_TOKENS].to(device)
     linears = {lin for members in parts.values() for lin in members}
     input_amax: dict = {}
+    blocks = list(find_blocks(model)[1] if blocks is None else blocks)
+    first_block: dict = {}   # module -> the first block holding it (a shared module: its first use)
+    for index, block in enumerate(blocks):
+        for module in block.modules():
+            first_block.setdefault(module, index)
+    outputs: list = [[None] * len(blocks) for _ in rows]   # [row][block]: the float pass's block outputs
+    current = [0]
 
     def amax_hook(module, args):
         a = args[0].detach().abs().amax().float()
         input_amax[module] = torch.maximum(input_amax.get(module, a), a)
 
+    def keep_output(module, args, output, index):
+        outputs[current[0]][index] = output
+
     handles = [lin.register_forward_pre_hook(amax_hook) for lin in linears] if config.scheme == "w4a4" else []
+    handles += [b.register_forward_hook(lambda m, a, o, i=i: keep_output(m, a, o, i)) for i, b in enumerate(blocks)]
     try:
-        reference = [F.log_softmax(model(input_ids=r[None], use_cache=False).logits[0].float(), -1) for r in rows]
+        reference = []
+        for current[0], r in enumerate(rows):
+            reference.append(F.log_softmax(model(input_ids=r[None], use_cache=False).logits[0].float(), -1))
     finally:
         for handle in handles:
             handle.remove()
+    # A block that did not run in the float pass (a model that skips some) has no output: start at 0.
+    complete = all(o is not None for row in outputs for o in row)
     tokens = rows.numel()
     # Under torchrun the parts (each one forward per row: equal costs) are split over the ranks
     # and their figures broadcast; every rank measured the reference itself.
@@ -120,9 +169,12 @@ def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: Quan
     bar = tqdm(total=owners.count(world.rank), desc="fp4ptq sensitivity", disable=not progress, unit="part")
 
     def kl_increase(members) -> float:
+        start = min(first_block.get(lin, 0) for lin in members) if complete else 0
+        total = 0.0
         with _quantized_only(members, config, input_amax):
-            total = sum(float(_kl(ref, model(input_ids=r[None], use_cache=False).logits[0]))
-                        for ref, r in zip(reference, rows))
+            for ref, r, row_outputs in zip(reference, rows, outputs):
+                with _replayed(blocks, start, row_outputs):
+                    total += float(_kl(ref, model(input_ids=r[None], use_cache=False).logits[0]))
         bar.update()
         return total / tokens
 
@@ -133,12 +185,13 @@ def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: Quan
 
 
 def choose(model: nn.Module, parts: dict, calib: torch.LongTensor, config: QuantConfig,
-           progress: bool = False, comm_device=None) -> dict:
+           progress: bool = False, comm_device=None, blocks: Optional[Sequence[nn.Module]] = None) -> dict:
     """Measure and select under ``config.keep_budget``; ``parts``: part name -> [(full linear name,
     module), ...] (a linear, a fused group or a block). Returns the record for the report (kept linears,
     per-part KL increase and extra bytes, the budget)."""
     costs = {p: sum(extra_bytes(lin, config.scheme) for _, lin in m) for p, m in parts.items()}
-    kl = measure(model, {p: [lin for _, lin in m] for p, m in parts.items()}, calib, config, progress, comm_device)
+    kl = measure(model, {p: [lin for _, lin in m] for p, m in parts.items()}, calib, config, progress, comm_device,
+                 blocks)
     kept_parts, limit = select(kl, costs, config.keep_budget)
     kept = [n for p in kept_parts for n, _ in parts[p]]
     return {

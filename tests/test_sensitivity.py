@@ -49,3 +49,24 @@ def test_quantize_keeps_the_chosen_linears_and_inspect_shows_them(tmp_path):
     fp4ptq.save(model, tmp_path / "ckpt")
     text = inspect_markdown(inspect_checkpoint(tmp_path / "ckpt"))
     assert "keep budget 20%" in text and keep["kept"][0] in text
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w4a4"])
+def test_each_part_runs_from_its_block_and_measures_what_the_full_forward_does(scheme):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=2, max_position_embeddings=32)).eval()
+    calib = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    config = QuantConfig(method="rtn", four_six="mse", scheme=scheme, keep_budget="20%", keep_nsamples=2)
+    parts = {n: [m] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}   # 21 linears + lm_head
+    layers = model.model.layers
+    calls = {0: 0, 2: 0}
+    for i in calls:
+        layers[i].self_attn.q_proj.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    from_blocks = sensitivity.measure(model, parts, calib, config)
+    assert calls == {0: 2 * (1 + 8), 2: 2 * (1 + 22)}   # block 0 runs for its 7 parts and lm_head only
+    full = sensitivity.measure(model, parts, calib, config, blocks=[])   # no blocks known: every forward whole
+    assert from_blocks == full and len(full) == 22
+    assert all("forward" not in b.__dict__ for b in layers)   # the blocks are left as they were
