@@ -16,9 +16,10 @@ Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46``, ``
     python benchmarks/accuracy_issue43.py --device cuda --model smol.gguf --windows 0 --nsamples 8 \
         --calib-seqlen 2048 --search-nsamples 2 --budget-s 500 --configs ... --out $OUT/accuracy_issue43_smollm2-135m_h200
 
-On a GPU (``--device cuda``) the models run in float32 with TF32 off and the float model's
-log-probabilities are recomputed per window (one forward of the float model; kept, they would take
-40 x 2047 x 151,936 floats = 50 GB for Qwen2.5's 40 windows); ``--windows 0`` takes the whole test split.
+On a GPU (``--device cuda``) the models run in float32 with TF32 off. The float model's
+log-probabilities are kept (in memory, and in ``--cache``) when they take at most 4 GB, else
+recomputed per window (one forward of the float model; kept, Qwen2.5's 40 windows would take
+40 x 2047 x 151,936 floats = 50 GB). ``--windows 0`` takes the whole test split.
 
 Resumable: configs already in the JSON (same settings) are skipped; JSON and markdown are
 rewritten atomically after each config.
@@ -48,6 +49,7 @@ import harness
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
+KEEP_REFERENCE_BYTES = 4e9   # the float model's log-probabilities are kept up to this size
 
 
 def parse_config(name: str, args) -> dict:
@@ -158,12 +160,13 @@ def main(argv=None) -> int:
     count = args.windows or ids.numel() // 2048
     windows = [ids[i * 2048:(i + 1) * 2048] for i in range(count)]
     cache = Path(args.cache) / f"reference_{args.name}_{args.windows}.pt" if args.cache else None
+
     @torch.inference_mode()
     def float_logp(i):
         return F.log_softmax(base(input_ids=windows[i][None], use_cache=False).logits[0, :-1].float(), -1)
 
-    if device.type == "cuda":   # one float forward per window is cheaper than holding them all
-        reference = float_logp
+    if len(windows) * 2047 * base.config.vocab_size * 4 > KEEP_REFERENCE_BYTES:
+        reference = float_logp   # one float forward per window instead of holding them all
     else:
         if cache is not None and cache.exists():   # the float model's log-probabilities, kept between runs
             kept = torch.load(cache)
