@@ -86,7 +86,7 @@ def apply_blocks(x: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if d % b:
         raise RotationError(f"a dimension of {d} is not a multiple of the rotation block {b}")
-    y = x.to(M.dtype).reshape(*x.shape[:-1], d // b, b) @ M
+    y = x.to(M.dtype).reshape(*x.shape[:-1], d // b, b) @ M.to(x.device)
     return y.reshape(x.shape) / math.sqrt(b)
 
 
