@@ -80,14 +80,15 @@ def cmd_quantize(args) -> int:
                        "quantize the full-precision model it was made from", EXIT_UNSUPPORTED)
     _check_calib(config, args.calib)
     skeleton = _skeleton(src) if args.ignore else None
+    late_ignore = args.ignore   # checked on the loaded model where no skeleton could be built
     if skeleton is not None:   # --ignore checked and fused groups resolved before the weights load
         config = _resolve_fused_ignore(skeleton, config, args.ignore)
-        args.ignore = None
+        late_ignore = None
     from .. import distributed
 
     # Under torchrun: every rank quantizes its share, rank 0 writes while the others wait.
     with distributed.launch(device) as (world, device), _quiet_other_ranks(world):
-        path, model, config = _quantize_and_save(args, config, output, device, dtype)
+        path, model, config = _quantize_and_save(args, config, output, device, dtype, late_ignore)
     if not world.main:
         return EXIT_OK
     info = model.fp4ptq_info
@@ -121,9 +122,9 @@ def _quiet_other_ranks(world):
         yield
 
 
-def _quantize_and_save(args, config, output: Path, device: str, dtype):
+def _quantize_and_save(args, config, output: Path, device: str, dtype, late_ignore=None):
     """Load, quantize (under torchrun: this rank's share) and save (rank 0 only);
-    ``(path or None, model, config)``."""
+    ``(path or None, model, config)``. ``late_ignore``: --ignore patterns still to check on the loaded model."""
     import fp4ptq
 
     from ..distributed import world
@@ -136,8 +137,8 @@ def _quantize_and_save(args, config, output: Path, device: str, dtype):
         raise CLIError(f"{args.model} is not a causal language model transformers can load ({exc})",
                        EXIT_UNSUPPORTED) from exc
     check_finite_weights(model, src)
-    if args.ignore:   # sources without a skeleton (GGUF, an unreachable hub config): checked on the model
-        config = _resolve_fused_ignore(model, config, args.ignore)
+    if late_ignore:   # sources without a skeleton (GGUF, an unreachable hub config): checked on the model
+        config = _resolve_fused_ignore(model, config, late_ignore)
     calib_note = f", calibration {config.calib} {config.nsamples}x{config.seqlen}" if config.needs_calibration else ""
     w = world()
     ranks = f" x {w.size} ranks ({w.backend})" if w.parallel else ""
