@@ -147,11 +147,9 @@ def measure(model: nn.Module, parts: dict, calib: torch.LongTensor, config: Quan
         a = args[0].detach().abs().amax().float()
         input_amax[module] = torch.maximum(input_amax.get(module, a), a)
 
-    def keep_output(module, args, output, index):
-        outputs[current[0]][index] = output
-
     handles = [lin.register_forward_pre_hook(amax_hook) for lin in linears] if config.scheme == "w4a4" else []
-    handles += [b.register_forward_hook(lambda m, a, o, i=i: keep_output(m, a, o, i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(lambda m, a, o, i=i: outputs[current[0]].__setitem__(i, o))
+                for i, b in enumerate(blocks)]
     try:
         reference = []
         for current[0], r in enumerate(rows):
