@@ -5,9 +5,9 @@ Token perplexity and mean next-token KL to the float model over the WikiText-2 *
 calibration from the evaluation-data folder. On a GPU the models run in float32 with TF32 off. The float
 model's log-probabilities are kept (and in ``--cache``) up to 4 GB, else recomputed per window.
 Config names ``PART+PART/SCHEME``: ``rtn``, ``gptq46``, ``awq46``, ``awqgptq46`` (``46`` = Four Over Six
-"mse", ``46mae`` / ``46max``), ``clip`` (AWQ clipping), ``rotN`` / ``rotNx`` (block-Hadamard rotation, block
-N; x: not the residual stream), ``ws`` (weight-scale search), ``keepP`` / ``keepPl`` (P% by block / by
-linear); ``fp`` is the float model. Resumable: configs in the JSON (same settings) are skipped.
+"mse", ``46mae`` / ``46max``), ``clip`` (AWQ clipping), ``ao`` (GPTQ act-order), ``rotN`` / ``rotNx``
+(block-Hadamard rotation, block N; x: not the residual stream), ``ws`` (weight-scale search), ``keepP`` /
+``keepPl`` (P% by block / by linear); ``fp`` is the float model. Resumable: configs in the JSON (same settings) are skipped.
 
     python benchmarks/accuracy_issue43.py --windows 3 --configs fp,rtn/w4a16,rot128+rtn/w4a16
     python benchmarks/accuracy_issue43.py --device cuda --model smol.gguf --windows 0 --nsamples 8 \
@@ -43,7 +43,7 @@ def parse_config(name: str, args) -> dict:
     """QuantConfig kwargs for a config name (module docstring)."""
     parts, _, scheme = name.partition("/")
     kw = dict(scheme=scheme, nsamples=args.nsamples, seqlen=args.calib_seqlen, search_nsamples=args.search_nsamples,
-              awq_grid=args.awq_grid, keep_nsamples=1, keep_unit="block")
+              awq_grid=args.awq_grid, keep_nsamples=args.keep_nsamples, keep_unit="block")
     for part in parts.split("+"):
         if m := re.fullmatch(r"(rtn|gptq|awq|awqgptq)(46(mse|mae|max)?)?", part):
             kw["method"] = "awq+gptq" if m[1] == "awqgptq" else m[1]
@@ -53,6 +53,8 @@ def parse_config(name: str, args) -> dict:
         elif part.startswith("rot"):
             kw["rotate"] = int(part[3:].rstrip("x"))
             kw["rotate_residual"] = not part.endswith("x")
+        elif part == "ao":
+            kw["gptq_act_order"] = True
         elif part == "ws":
             kw["weight_scale_search"] = True
         elif part.startswith("keep"):
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--search-nsamples", type=int, default=1)
     p.add_argument("--awq-grid", type=int, default=10)
+    p.add_argument("--keep-nsamples", type=int, default=1, help="calibration rows the keep-budget sensitivity uses")
     p.add_argument("--data-dir", default=str(harness.EVALDATA))
     p.add_argument("--out", default=None)
     p.add_argument("--cache", default=None, help="folder keeping the float model's log-probabilities between runs")
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
                         "and mean KL(p_FP || p_quantized) over the same next-token positions",
                 "calibration": f"C4 train documents, {args.nsamples} x {args.calib_seqlen} tokens, seed 0; AWQ search "
                                f"on {args.search_nsamples} sequence(s), grid {args.awq_grid}; keep budgets by block, "
-                               "sensitivity on 1 x 512 tokens"}
+                               f"sensitivity on {args.keep_nsamples} x 512 tokens"}
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls stay fp32, as on the CPU
         settings["device"] = f"{torch.cuda.get_device_name(device)}, float32, TF32 off"
