@@ -74,17 +74,6 @@ PRESETS["full"] = list(dict(
        _spec("awq", "w4a4", "mse", "clip_grid20", awq_clip=True, awq_grid=20, search_nsamples=4),
        _spec("awq", "w4a4", "mae", "clip_grid20", awq_clip=True, awq_grid=20, search_nsamples=4)]
 ).items())
-# Issue 43 (past the published recipes): block-Hadamard rotation x {RTN, GPTQ + 4/6, AWQ + 4/6}, the residual
-# stream left alone ("rotx"), keep budgets by measured KL (2% / 5%, by block), the global-scale searches.
-PRESETS["issue43"] = (
-    [_spec(m, s, r, "rot128", rotate=128) for s in ("w4a16", "w4a4") for m, r in (("rtn", None), ("gptq", "mse"),
-                                                                                  ("awq", "mse"))]
-    + [_spec(m, s, "mse", "rot128x", rotate=128, rotate_residual=False) for s in ("w4a16", "w4a4") for m in ("gptq", "awq")]
-    + [_spec("awq", s, "mse", f"keep{p}", keep_budget=f"{p}%", keep_unit="block") for s in ("w4a16", "w4a4") for p in (2, 5)]
-    + [_spec("awq", "w4a16", "mse", "wscale", weight_scale_search=True),
-       _spec("awq", "w4a4", "mse", "clip_wscale", awq_clip=True, weight_scale_search=True)]
-)
-PRESETS["full"] = list(dict(PRESETS["full"] + PRESETS["issue43"]).items())
 ALL_SPECS = dict(PRESETS["all"] + PRESETS["full"])
 
 
