@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the linears (or blocks, --keep-unit) whose quantization raises the KL to the float "
                         "model most in bf16: PCT%% of the extra bytes of keeping all, or a count")
     q.add_argument("--keep-unit", choices=("linear", "block"), help="what --keep-budget chooses (default: linear)")
+    q.add_argument("--keep-nsamples", type=int,
+                   help="calibration sequences (their first 512 tokens) the --keep-budget sensitivity runs on "
+                        "(default 2)")
     q.add_argument("--ignore", action="append", metavar="PATTERN",
                    help="module name/glob/re: pattern kept in high precision (repeatable; default: lm_head)")
     q.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],

@@ -19,11 +19,12 @@ def test_rotated_kept_searched_checkpoint_and_its_kld(tmp_path, capsys):
     (tmp_path / "calib.txt").write_text((tmp_path / "data" / "wikitext2" / "wiki.test.raw").read_text() * 3)
     ckpt = tmp_path / "ckpt"
     assert cli.main(["quantize", str(tmp_path / "src"), "--scheme", "w4a4", "--four-six", "mse", "--rotate", "16",
-                     "--keep-budget", "1", "--weight-scale-search",
+                     "--keep-budget", "1", "--keep-nsamples", "1", "--weight-scale-search",
                      "--calib", str(tmp_path / "calib.txt"), "--nsamples", "2", "--seqlen", "32",
                      "--output", str(ckpt), "-q"]) == 0
     info = json.loads((ckpt / "fp4ptq_report.json").read_text())
     assert info["rotation"]["block"] == 16 and len(info["keep"]["kept_parts"]) == 1
+    assert info["keep"]["tokens"] == 32   # --keep-nsamples 1: one 32-token calibration row (default 2)
     assert "transform_config" in json.loads((ckpt / "config.json").read_text())["quantization_config"]
     common = ["--data-dir", str(tmp_path / "data"), "--seqlen", "32", "--max-windows", "2", "-q"]
     assert cli.main(["eval", str(ckpt), "--tasks", "kld", *common, "--output", str(tmp_path / "x")]) == cli.EXIT_USAGE

@@ -47,7 +47,7 @@ def cmd_quantize(args) -> int:
     if args.act_order:
         fields["gptq_act_order"] = True
     # issue 43: rotations, scale searches, keep budget
-    for name in ("rotate", "keep_budget", "keep_unit"):
+    for name in ("rotate", "keep_budget", "keep_unit", "keep_nsamples"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.rotate_fixed:
